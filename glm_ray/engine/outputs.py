@@ -1,0 +1,57 @@
+"""The wire contract between the engine (or the Router deployment) and its callers.
+
+`TokenDelta` is what the engine emits per request per step (a diff: only the new tokens), and
+what the Router deployment streams to the ingress. `RequestOutput`/`CompletionOutput` are the
+accumulated, vLLM-shaped results returned by the offline `LLM.generate`.
+Everything here is plain data (picklable, no tensors) so it crosses Ray process boundaries cheaply.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One position's logprobs: {token_id: logprob}, the sampled/actual token first, then the top-k.
+LogprobDict = dict[int, float]
+
+
+@dataclass
+class TokenDelta:
+    request_id: str
+    new_token_ids: list[int]                          # tokens produced this step (usually 1)
+    new_text: str = ""                                # detokenized text for them (stop strings already cut)
+    new_logprobs: list[LogprobDict] | None = None     # one dict per new token when logprobs requested
+    finished: bool = False
+    finish_reason: str | None = None                  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None              # the stop string or stop token id that matched
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[LogprobDict | None] | None = None   # sent once, with the first delta
+    error: str | None = None                          # set with finish_reason "error"
+    # Timing (monotonic seconds, engine clock) for metrics: arrival and first scheduling.
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[LogprobDict] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        if self.logprobs is None:
+            return None
+        return float(sum(lp[t] for lp, t in zip(self.logprobs, self.token_ids)))
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[LogprobDict | None] | None = None
+    finished: bool = False
