@@ -1,0 +1,5 @@
+"""Serving benchmark comparable with sglang.bench_serving (`glm-ray bench`).
+
+Modules: `metrics` (metric definitions, pure), `client` (load generation and streaming timings),
+`report` (JSONL, tables, compare, plots), `cli` (the ``bench`` subcommand).
+"""

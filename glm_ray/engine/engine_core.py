@@ -1,0 +1,173 @@
+"""The engine loop: `step()` = schedule -> execute on the workers -> update requests.
+
+Owns the scheduler, the KV block manager, per-request detokenizers and stop checks. Emits
+`TokenDelta`s (the wire contract in outputs.py). Knows nothing about HTTP or Ray Serve; the Router
+deployment and the offline `LLM` both drive it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from glm_ray.config import EngineConfig
+from glm_ray.engine.detokenizer import IncrementalDetokenizer
+from glm_ray.engine.errors import EngineOverloadedError, InvalidRequestError
+from glm_ray.engine.kv_cache import KVCacheManager
+from glm_ray.engine.outputs import TokenDelta
+from glm_ray.engine.request import Request, RequestStatus
+from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.engine.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """What the last step did, for metrics and the orchestration-overhead measurement."""
+    num_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_seqs: int = 0
+    num_preempted: int = 0
+    schedule_s: float = 0.0
+    execute_s: float = 0.0          # wall time of executor.execute (model + transport)
+    update_s: float = 0.0
+    worker_timings: dict = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig, executor, tokenizer=None):
+        self.cfg = cfg
+        self.executor = executor
+        self.model_cfg = executor.model_cfg
+        self.tokenizer = tokenizer
+        self.kv = KVCacheManager(executor.num_blocks, cfg.cache.block_size)
+        limit = min(self.model_cfg.max_position_embeddings, self.kv.capacity_tokens)
+        if cfg.scheduler.max_model_len is not None:
+            if cfg.scheduler.max_model_len > self.kv.capacity_tokens:
+                raise ValueError(f"max_model_len {cfg.scheduler.max_model_len} exceeds the KV cache capacity "
+                                 f"({self.kv.capacity_tokens} tokens); raise the KV memory budget")
+            limit = min(limit, cfg.scheduler.max_model_len)
+        self.max_model_len = limit
+        self.scheduler = Scheduler(cfg.scheduler, self.kv)
+        self.requests: dict[str, Request] = {}
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.last_stats = StepStats()
+        self.eos = set(self.model_cfg.eos_token_ids)
+        logger.info("engine ready: %d KV blocks (%d tokens), max_model_len %d", self.kv.num_blocks,
+                    self.kv.capacity_tokens, self.max_model_len)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> Request:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        V = self.model_cfg.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < V]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})", param="prompt")
+        P = len(prompt_token_ids)
+        if P >= self.max_model_len:
+            raise InvalidRequestError(f"the prompt has {P} tokens but the model's context length is "
+                                      f"{self.max_model_len}; shorten the prompt", param="prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - P
+        if P + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this request needs {P} prompt + {max_tokens} output tokens = {P + max_tokens}, more than the "
+                f"context length {self.max_model_len}; reduce the prompt or max_tokens", param="max_tokens")
+        if self.scheduler.num_unfinished >= self.cfg.scheduler.max_waiting + self.cfg.scheduler.max_num_seqs:
+            raise EngineOverloadedError("the engine queue is full; retry later", retry_after_s=1.0)
+        req = Request(request_id, list(prompt_token_ids), params, max_tokens=max_tokens, prompt=prompt)
+        self.requests[request_id] = req
+        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
+                                                         params.include_stop_str_in_output, params.skip_special_tokens)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req, "abort")
+        self.detoks.pop(request_id, None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[TokenDelta]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if sched.is_empty and not sched.finished_req_ids:
+            return []
+        result = self.executor.execute(sched)
+        t2 = time.perf_counter()
+        deltas = self._update(sched, result)
+        t3 = time.perf_counter()
+        self.last_stats = StepStats(
+            num_tokens=sched.num_tokens,
+            num_prefill_tokens=sum(len(s.token_ids) for s in sched.seqs if len(s.token_ids) > 1 or not s.sample),
+            num_decode_seqs=sum(1 for s in sched.seqs if len(s.token_ids) == 1 and s.sample),
+            num_preempted=sched.num_preempted, schedule_s=t1 - t0, execute_s=t2 - t1, update_s=t3 - t2,
+            worker_timings=result.timings if result is not None else {})
+        return deltas
+
+    def _update(self, sched: SchedulerOutput, result) -> list[TokenDelta]:
+        deltas: list[TokenDelta] = []
+        now = time.monotonic()
+        for s in sched.seqs:
+            req = self.requests.get(s.req_id)
+            if req is None or req.is_finished:
+                continue
+            req.num_computed_tokens += len(s.token_ids)
+            plp = None
+            if s.prompt_logprobs and s.req_id in result.prompt_logprobs:
+                if req.prompt_logprobs is None:
+                    req.prompt_logprobs = [None]
+                req.prompt_logprobs.extend(result.prompt_logprobs[s.req_id])
+                if req.num_computed_tokens >= req.num_prompt_tokens:
+                    req.prompt_logprobs_done = True
+                    plp = req.prompt_logprobs
+            if not s.sample:
+                continue
+            tok = result.sampled[s.req_id]
+            req.output_token_ids.append(tok)
+            lp = result.logprobs.get(s.req_id)
+            if req.output_logprobs is not None and lp is not None:
+                req.output_logprobs.append(lp)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            finish, stop_reason = self._check_stop(req, tok)
+            if finish:
+                self.scheduler.finish(req, finish, stop_reason)
+            detok = self.detoks[req.request_id]
+            deltas.append(TokenDelta(
+                request_id=req.request_id, new_token_ids=[tok], new_text=detok.take(finish is not None),
+                new_logprobs=[lp] if lp is not None else None, finished=finish is not None,
+                finish_reason=finish, stop_reason=stop_reason, num_prompt_tokens=req.num_prompt_tokens,
+                prompt_logprobs=plp if len(req.output_token_ids) == 1 else None,
+                arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time))
+            if finish:
+                self.requests.pop(req.request_id, None)
+                self.detoks.pop(req.request_id, None)
+        return deltas
+
+    def _check_stop(self, req: Request, tok: int) -> tuple[str | None, int | str | None]:
+        p = req.params
+        n_out = len(req.output_token_ids)
+        past_min = n_out >= p.min_tokens
+        if past_min and not p.ignore_eos and tok in self.eos:
+            return "stop", None
+        if past_min and tok in p.stop_token_ids:
+            return "stop", tok
+        matched = self.detoks[req.request_id].append(tok, check_stop=past_min)
+        if matched is not None and past_min:
+            return "stop", matched
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None

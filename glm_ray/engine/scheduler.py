@@ -1,0 +1,158 @@
+"""Continuous batching: which requests run this step, and how many of their tokens.
+
+Policy (one step, under `max_num_batched_tokens`):
+  1. running requests first, FCFS: decodes take 1 token, unfinished prefills their next chunk;
+     when blocks run out the latest-arrived running request is preempted (blocks freed, recomputed
+     later from its prompt + outputs so far);
+  2. then waiting requests, FCFS, while the budget, `max_num_seqs` and free blocks allow — a long
+     prompt is split into chunks (chunked prefill), so prefill and decode share a step.
+No request is ever dropped: preempted requests go back to the head of the queue.
+
+`SchedulerOutput` is the per-step message to the workers: a diff (new requests once, new block ids,
+finished ids), not the whole state.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from glm_ray.config import SchedulerConfig
+from glm_ray.engine.kv_cache import KVCacheManager
+from glm_ray.engine.request import Request, RequestStatus
+from glm_ray.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    req_id: str
+    token_ids: list[int]              # tokens to compute this step (a prefill chunk, or 1 for decode)
+    start_pos: int                    # position of token_ids[0] (= tokens already in the KV cache)
+    block_ids: list[int]              # new blocks; the whole table when `reset_blocks`
+    reset_blocks: bool
+    sample: bool                      # this chunk ends at the request's last token -> sample next
+    prompt_logprobs: bool = False     # compute prompt logprobs over this chunk
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)   # workers drop their state
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager):
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []     # to tell the workers next step
+
+    # ---- queue --------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: str, stop_reason=None) -> None:
+        """Mark finished (stop/length/abort), free its blocks, remember to tell the workers."""
+        if req.status == RequestStatus.FINISHED:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)
+        req.status, req.finish_reason, req.stop_reason = RequestStatus.FINISHED, reason, stop_reason
+        if req.sent_to_workers:
+            self._finished_ids.append(req.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.cfg.max_num_batched_tokens
+        now = time.monotonic()
+        preempted_now = False
+
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.can_allocate(req, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.num_preempted += 1
+                preempted_now = True
+                if victim is req:
+                    break
+            else:
+                self._schedule_seq(out, req, n)
+                budget -= n
+                idx += 1
+                continue
+            break   # `req` itself was preempted; everything after it is gone too
+
+        while (self.waiting and budget > 0 and not preempted_now
+               and len(self.running) < self.cfg.max_num_seqs):
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.can_allocate(req, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            if not req.sent_to_workers:
+                out.new_requests.append(NewRequestData(req.request_id, list(req.prompt_token_ids), req.params))
+                req.sent_to_workers = True
+            self._schedule_seq(out, req, n)
+            budget -= n
+        return out
+
+    def _schedule_seq(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        new_blocks = self.kv.allocate(req, req.num_computed_tokens + n)
+        start = req.num_computed_tokens
+        end = start + n
+        out.seqs.append(ScheduledSeq(
+            req_id=req.request_id,
+            token_ids=req.all_token_ids[start:end],
+            start_pos=start,
+            block_ids=list(req.block_ids) if req.blocks_reset else new_blocks,
+            reset_blocks=req.blocks_reset,
+            sample=end == req.num_tokens,
+            prompt_logprobs=req.params.prompt_logprobs is not None and not req.prompt_logprobs_done,
+        ))
+        req.blocks_reset = False
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.blocks_reset = True
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)

@@ -1,0 +1,116 @@
+"""Multi-head latent attention (MLA) with the DSA indexer, over a paged latent KV cache.
+
+Per token and layer the cache holds [c (kv_lora_rank) | k_pe (qk_rope_head_dim)]: the normalized
+latent and the roped shared key — identical on every TP rank. Two equivalent forms:
+
+- naive (prefill): expand the context latents with kv_b_proj into per-head K/V and run MHA;
+- absorbed (decode): fold W_UK into the query and W_UV into the output, attend in latent space
+  as MQA with one KV head of dim r+dr (value = c).
+
+Sparse attention (DSA) is a boolean mask from the indexer ANDed with the causal mask; "shared"
+layers (IndexShare) reuse the previous full layer's mask.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm_ray.config import ModelConfig
+from glm_ray.layers.indexer import Indexer
+from glm_ray.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from glm_ray.layers.norm import RMSNorm
+from glm_ray.layers.rotary import apply_rope
+from glm_ray.model.forward_batch import ForwardBatch
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, layer_idx: int, full_indexer: bool | None, quant_config,
+                 prefix: str, params_dtype: torch.dtype, tp: int):
+        super().__init__()
+        H = cfg.num_attention_heads
+        if H % tp:
+            raise ValueError(f"num_attention_heads {H} is not divisible by tp={tp}")
+        self.h = H // tp                                                        # heads on this rank
+        self.dn, self.dr, self.dv, self.r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale
+        self.interleave = cfg.rope_interleave
+        self.layer_idx = layer_idx
+        qk = self.dn + self.dr
+        common = dict(quant_config=quant_config, params_dtype=params_dtype)
+        if cfg.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(cfg.hidden_size, cfg.q_lora_rank, prefix=f"{prefix}.q_a_proj", **common)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, params_dtype)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, H * qk, prefix=f"{prefix}.q_b_proj", tp=tp, **common)
+        else:
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, H * qk, prefix=f"{prefix}.q_proj", tp=tp, **common)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.r + self.dr,
+                                                   prefix=f"{prefix}.kv_a_proj_with_mqa", **common)
+        self.kv_a_layernorm = RMSNorm(self.r, cfg.rms_norm_eps, params_dtype)
+        self.kv_b_proj = ColumnParallelLinear(self.r, H * (self.dn + self.dv), prefix=f"{prefix}.kv_b_proj",
+                                              tp=tp, **common)
+        self.o_proj = RowParallelLinear(H * self.dv, cfg.hidden_size, prefix=f"{prefix}.o_proj", tp=tp, **common)
+        # full_indexer: True -> own indexer; False -> IndexShare (reuse previous mask); None -> no DSA
+        self.uses_dsa = full_indexer is not None
+        self.indexer = (Indexer(cfg, quant_config=quant_config, prefix=f"{prefix}.indexer", params_dtype=params_dtype)
+                        if full_indexer else None)
+        self.w_kc: torch.Tensor | None = None                                   # [h, dn, r]
+        self.w_vc: torch.Tensor | None = None                                   # [h, r, dv]
+
+    def process_weights_after_loading(self) -> None:
+        """Split kv_b_proj into the absorbed per-head W_UK / W_UV (after its quant method ran)."""
+        w = self.kv_b_proj.quant_method.dequantized_weight(self.kv_b_proj) \
+            if hasattr(self.kv_b_proj.quant_method, "dequantized_weight") else self.kv_b_proj.weight
+        w = w.view(self.h, self.dn + self.dv, self.r)                           # rows grouped per head
+        self.w_kc = w[:, :self.dn, :].contiguous()                              # [h, dn, r]
+        self.w_vc = w[:, self.dn:, :].transpose(1, 2).contiguous()              # [h, r, dv]
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, index_cache: torch.Tensor | None,
+                prev_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        T = x.shape[0]
+        if hasattr(self, "q_a_proj"):
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))                      # [T, rq]
+            q = self.q_b_proj(q_resid)
+        else:
+            q_resid, q = None, self.q_proj(x)
+        q = q.view(T, self.h, self.dn + self.dr)                                # [T, h, dn+dr]
+        q_nope, q_pe = q[..., :self.dn], apply_rope(q[..., self.dn:], cos, sin, self.interleave)
+        ckv = self.kv_a_proj_with_mqa(x)                                        # [T, r+dr]
+        c = self.kv_a_layernorm(ckv[:, :self.r])                                # [T, r]
+        k_pe = apply_rope(ckv[:, None, self.r:], cos, sin, self.interleave)[:, 0]   # [T, dr]
+        kv_cache.index_copy_(0, batch.slot_mapping, torch.cat([c, k_pe], -1).to(kv_cache.dtype))
+
+        mask = batch.causal                                                     # [B, Qmax, Kmax]
+        if self.indexer is not None:
+            sel = self.indexer(x, q_resid, batch, cos, sin, index_cache)
+            mask = sel if sel is not None else mask
+        elif self.uses_dsa and prev_mask is not None:
+            mask = prev_mask
+        ctx = kv_cache[batch.kv_slots]                                          # [B, Kmax, r+dr]
+        attend = self._naive if batch.mla_mode == "naive" else self._absorbed
+        o = attend(q_nope, q_pe, ctx, mask, batch)                              # [T, h, dv]
+        return self.o_proj(o.reshape(T, self.h * self.dv)), (mask if self.uses_dsa else None)
+
+    def _sdpa(self, q, k, v, mask, **kw):
+        # q [B, h, Qmax, d], k/v [B, h|1, Kmax, d], mask [B, Qmax, Kmax]
+        # NOTE: padded query rows have an all-False mask; let them see everything (their output is dropped)
+        m = mask | ~mask.any(-1, keepdim=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], scale=self.scale, **kw)
+
+    def _naive(self, q_nope, q_pe, ctx, mask, batch):
+        B, K, _ = ctx.shape
+        kv = self.kv_b_proj(ctx[..., :self.r].reshape(B * K, self.r)).view(B, K, self.h, self.dn + self.dv)
+        k = torch.cat([kv[..., :self.dn], ctx[..., None, self.r:].expand(B, K, self.h, self.dr)], -1)
+        v = kv[..., self.dn:]                                                   # [B, K, h, dv]
+        q = torch.cat([q_nope, q_pe], -1)[batch.q_index]                        # [B, Qmax, h, dn+dr]
+        o = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)   # [B, h, Qmax, dv]
+        return o.transpose(1, 2)[batch.q_valid]                                 # [T, h, dv]
+
+    def _absorbed(self, q_nope, q_pe, ctx, mask, batch):
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_kc.to(q_nope.dtype)).transpose(0, 1)   # [T, h, r]
+        q = torch.cat([q_lat, q_pe], -1)[batch.q_index]                         # [B, Qmax, h, r+dr]
+        kv = ctx[:, None]                                                       # [B, 1, Kmax, r+dr]
+        o_lat = self._sdpa(q.transpose(1, 2), kv, kv[..., :self.r], mask, enable_gqa=True)   # [B, h, Qmax, r]
+        o_lat = o_lat.transpose(1, 2)[batch.q_valid]                            # [T, h, r]
+        return torch.bmm(o_lat.transpose(0, 1), self.w_vc.to(o_lat.dtype)).transpose(0, 1)     # [T, h, dv]

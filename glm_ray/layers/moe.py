@@ -1,0 +1,141 @@
+"""Mixture of experts: the sigmoid/grouped top-k router, the routed experts and the dense MLP.
+
+The MoE *contract* (gate/up layout, clamped SwiGLU limit, padding) is recorded on the experts layer
+in a `MoEContract` and forwarded to whichever kernel runs it — never inferred from a global setting.
+Routed experts are sharded over the intermediate dim across TP ranks; the routed and shared partial
+sums are added and all-reduced once.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm_ray.config import ModelConfig
+from glm_ray.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from glm_ray.kernels.torch_ref.moe import swiglu
+from glm_ray.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from glm_ray.layers.weights import load_sharded, set_weight_attrs
+
+
+class GateMode(enum.Enum):
+    SEPARATED = "separated"      # w13 = [gate rows ; up rows]   (what we store at runtime)
+    INTERLEAVED = "interleaved"  # rows alternate gate/up        (converted at load, never stored)
+
+
+@dataclass(frozen=True)
+class MoEContract:
+    gate_mode: GateMode = GateMode.SEPARATED
+    swiglu_limit: float | None = None      # clamped SwiGLU: silu(min(g, L)) * clamp(u, -L, L)
+    hidden_pad: int = 0                    # zero columns appended to D for the kernel's alignment
+    intermediate_pad: int = 0              # zero rows appended to each half of I
+
+
+class TopKRouter(nn.Module):
+    """sigmoid scores; `e_score_correction_bias` only for selection; grouped top-k; renormalize; scale."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, D = cfg.n_routed_experts, cfg.hidden_size
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = set_weight_attrs(nn.Parameter(torch.empty(E, D, dtype=torch.float32), requires_grad=False),
+                                       weight_loader=self.weight_loader)
+        self.e_score_correction_bias = set_weight_attrs(
+            nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False),
+            weight_loader=self.weight_loader, ckpt_dtypes=frozenset({"F32", "BF16", "F16"}))
+
+    def weight_loader(self, param, ckpt, shard_id=None):
+        load_sharded(param, ckpt, shard_dim=None, rank=0, tp=1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T = x.shape[0]
+        E = self.weight.shape[0]
+        scores = F.linear(x.float(), self.weight).sigmoid()                      # [T, E] fp32
+        choice = scores + self.e_score_correction_bias                           # [T, E]
+        if self.n_group > 1:
+            g = choice.view(T, self.n_group, E // self.n_group)                  # [T, G, E/G]
+            group_scores = g.topk(2, dim=-1).values.sum(-1)                      # [T, G]
+            keep = group_scores.topk(self.topk_group, dim=-1).indices            # [T, topk_group]
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = g.masked_fill(~mask[..., None], float("-inf")).view(T, E)
+        ids = choice.topk(self.top_k, dim=-1).indices                            # [T, K]
+        w = scores.gather(1, ids)                                                # [T, K] un-biased
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.scale, ids
+
+
+class FusedMoE(nn.Module):
+    """Routed experts of one layer; weights owned by the quant method (w13 [E, 2I/tp, D], w2 [E, D, I/tp])."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, quant_config,
+                 prefix: str, params_dtype: torch.dtype, contract: MoEContract, tp: int = 1):
+        super().__init__()
+        if intermediate_size % tp:
+            raise ValueError(f"{prefix}: moe_intermediate_size {intermediate_size} not divisible by tp={tp}")
+        self.prefix, self.tp, self.contract = prefix, tp, contract
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.intermediate_size = intermediate_size // tp
+        self.quant_method = quant_config.get_method(self, prefix)
+        self.quant_method.create_weights(self, num_experts, hidden_size, self.intermediate_size, params_dtype)
+
+    def weight_loader(self, param: nn.Parameter, ckpt, shard_id: str, expert_id: int) -> None:
+        """One expert's gate ("w1"), up ("w3") or down ("w2") tensor from the checkpoint."""
+        dest = param.data[expert_id]                                             # [2I, D] or [D, I] (or scales)
+        view = set_weight_attrs(nn.Parameter(dest, requires_grad=False),
+                                ckpt_dtypes=getattr(param, "ckpt_dtypes", None) or frozenset({"F32", "BF16", "F16"}))
+        if shard_id == "w2":
+            dim = param.input_dim - 1
+            load_sharded(view, ckpt, shard_dim=dim if self.tp > 1 else None, rank=tp_rank(), tp=self.tp)
+            return
+        dim = param.output_dim - 1
+        half = dest.shape[dim] // 2
+        load_sharded(view, ckpt, shard_dim=dim if self.tp > 1 else None, rank=tp_rank(), tp=self.tp,
+                     dest_dim=dim, dest_offset=0 if shard_id == "w1" else half, dest_len=half)
+
+    def forward(self, x, topk_weights, topk_ids):
+        return self.quant_method.apply(self, x, topk_weights, topk_ids)
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU MLP (first dense layers and the shared experts); gate/up merged, column/row TP."""
+
+    def __init__(self, hidden: int, inter: int, *, quant_config, prefix: str, params_dtype, tp: int,
+                 swiglu_limit: float | None = None, reduce_results: bool = True):
+        super().__init__()
+        self.swiglu_limit = swiglu_limit
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], quant_config=quant_config,
+                                                       prefix=f"{prefix}.gate_up_proj", params_dtype=params_dtype, tp=tp)
+        self.down_proj = RowParallelLinear(inter, hidden, quant_config=quant_config, prefix=f"{prefix}.down_proj",
+                                           params_dtype=params_dtype, tp=tp, reduce_results=reduce_results)
+
+    def forward(self, x):
+        gu = self.gate_up_proj(x)                                                # [T, 2I/tp]
+        g, u = gu.chunk(2, dim=-1)
+        return self.down_proj(swiglu(g, u, self.swiglu_limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, quant_config, prefix: str, params_dtype, tp: int):
+        super().__init__()
+        self.gate = TopKRouter(cfg)
+        self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                quant_config=quant_config, prefix=f"{prefix}.experts", params_dtype=params_dtype,
+                                contract=MoEContract(swiglu_limit=cfg.swiglu_limit), tp=tp)
+        self.shared_experts = None
+        if cfg.n_shared_experts:
+            self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                      quant_config=quant_config, prefix=f"{prefix}.shared_experts",
+                                      params_dtype=params_dtype, tp=tp, swiglu_limit=cfg.swiglu_limit,
+                                      reduce_results=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)                                    # [T, K] each
+        y = self.experts(x, topk_weights, topk_ids)                              # [T, D] partial over TP
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return all_reduce(y)

@@ -1,0 +1,62 @@
+"""Rotary position embedding for MLA and the indexer: default and yarn frequencies, applied to
+interleaved pairs (x0,x1),(x2,x3),... (GLM/DeepSeek MLA) or NeoX halves.
+
+NOTE: the interleaved form writes its result *de-interleaved* (evens then odds), exactly like the
+transformers reference. q and k get the same permutation so scores are unchanged; only the cached
+k_pe layout depends on it, and it is consistent across prefill and decode.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from glm_ray.config import RopeConfig
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    base = rope.theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)   # [dim/2]
+    if rope.rope_type != "yarn":
+        return 1.0 / pos_freqs
+    extra = 1.0 / pos_freqs
+    inter = 1.0 / (rope.factor * pos_freqs)
+
+    def corr_dim(n_rot: float) -> float:
+        return dim * math.log(rope.original_max_position_embeddings / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr_dim(rope.beta_fast), corr_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extra_factor = 1 - ramp
+    return inter * (1 - extra_factor) + extra * extra_factor
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin per position (fp32), computed on the fly from positions [T]."""
+
+    def __init__(self, rope: RopeConfig, dim: int):
+        super().__init__()
+        self.dim = dim
+        self.scale = rope.cos_sin_scale
+        self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]                 # [T, dim/2]
+        return freqs.cos() * self.scale, freqs.sin() * self.scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """x [T, ..., dim]; cos/sin [T, dim/2] -> rotated x (same dtype)."""
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    c, s = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

@@ -1,0 +1,156 @@
+"""`glm-ray make-tiny`: a small random GLM-5 checkpoint in the real on-disk format.
+
+What gets written (all of it loadable by transformers' `GlmMoeDsaForCausalLM` too):
+  config.json                   glm_moe_dsa config (default: configs/glm5-tiny.json: index_topk 8,
+                                IndexShare "FFSF", grouped routing n_group 2, 1 MTP layer)
+  model-0000N-of-0000M.safetensors + model.safetensors.index.json   per-expert tensor names, bf16
+                                weights, fp32 e_score_correction_bias, MTP layer under model.layers.L
+  tokenizer.json / tokenizer_config.json   a byte-level BPE trained in-process, GLM special tokens
+                                and a GLM-style chat template
+Norm weights, the indexer k_norm and the router bias are perturbed so those code paths matter.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["[gMASK]", "<|endoftext|>", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                  "<|observation|>", "<think>", "</think>"]
+EOS_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]      # ids 1, 4, 6 (GLM's stop set)
+
+CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}<|system|>\n{{ m['content'] }}"
+    "{%- elif m['role'] == 'user' -%}<|user|>\n{{ m['content'] }}"
+    "{%- elif m['role'] == 'assistant' -%}<|assistant|>\n{{ m['content'] }}"
+    "{%- elif m['role'] == 'tool' -%}<|observation|>\n{{ m['content'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>\n{%- endif -%}"
+)
+
+
+def bundled_config(name: str = "glm5-tiny.json") -> dict:
+    return json.loads(resources.files("glm_ray.configs").joinpath(name).read_text())
+
+
+def _corpus() -> list[str]:
+    """Plain English + code text available offline: docstrings of a fixed set of stdlib modules."""
+    import collections, functools, itertools, json as _json, pathlib, string, textwrap, typing
+    lines = []
+    for mod in (collections, functools, itertools, _json, pathlib, string, textwrap, typing):
+        for obj in [mod, *vars(mod).values()]:
+            doc = getattr(obj, "__doc__", None)
+            if isinstance(doc, str):
+                lines += [l.strip() for l in doc.splitlines() if l.strip()]
+    lines += ["Hello! How can I help you today?", "The quick brown fox jumps over the lazy dog.",
+              "1 2 3 4 5 6 7 8 9 10", "你好，世界", "def main():\n    return 0"]
+    return lines
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=[t for t in SPECIAL_TOKENS if t != "<|endoftext|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@torch.no_grad()
+def write_tiny(out_dir: str | os.PathLike, config: dict | None = None, seed: int = 0, num_shards: int = 2,
+               dtype: torch.dtype = torch.bfloat16) -> Path:
+    from glm_ray.config import ModelConfig
+    from glm_ray.model.glm_moe_dsa import GlmMoeDsaForCausalLM
+    from glm_ray.model.loader import init_dummy_weights
+    from glm_ray.quant import Unquantized
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = dict(config or bundled_config())
+    tokenizer = build_tokenizer(hf["vocab_size"])
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    hf.update(eos_token_id=[ids[t] for t in EOS_TOKENS], bos_token_id=ids["[gMASK]"],
+              pad_token_id=ids["<|endoftext|>"], dtype=str(dtype).removeprefix("torch."))
+    cfg = ModelConfig.from_hf(hf, dtype="float32")
+    model = GlmMoeDsaForCausalLM(cfg, Unquantized(), torch.float32)
+    init_dummy_weights(model, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():          # perturb what random init leaves degenerate
+        if getattr(p, "is_norm", False):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        elif name.endswith("k_norm.bias") or name.endswith("e_score_correction_bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        elif name == "lm_head.weight":
+            p.mul_(4.0)   # sharper next-token distributions: greedy parity is not decided by 1e-6 gaps
+
+    tensors = {}
+    for ckpt_name, (p, _, kw) in model.checkpoint_params().items():
+        t = _export(p, kw)
+        keep_fp32 = ckpt_name.endswith("e_score_correction_bias")
+        tensors[ckpt_name] = t.to(torch.float32 if keep_fp32 else dtype).contiguous()
+    names = sorted(tensors)
+    per = -(-len(names) // num_shards)
+    weight_map = {}
+    total = 0
+    for i in range(num_shards):
+        fname = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        chunk = {n: tensors[n] for n in names[i * per:(i + 1) * per]}
+        save_file(chunk, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in chunk})
+        total += sum(t.numel() * t.element_size() for t in chunk.values())
+    with open(out / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(out / "config.json", "w") as f:
+        json.dump(hf, f, indent=2)
+    with open(out / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": hf["eos_token_id"], "pad_token_id": hf["pad_token_id"]}, f, indent=2)
+    tokenizer.save_pretrained(str(out))
+    logger.info("wrote tiny checkpoint to %s (%d tensors)", out, len(tensors))
+    return out
+
+
+def _export(p: torch.Tensor, kw: dict) -> torch.Tensor:
+    """Inverse of the weight loaders at TP=1: the checkpoint tensor for one (param, shard)."""
+    sid, e = kw.get("shard_id"), kw.get("expert_id")
+    if e is not None:
+        w = p.data[e]
+        return w if sid == "w2" else w.chunk(2, dim=0)[0 if sid == "w1" else 1]
+    if sid is not None:
+        return p.data.chunk(2, dim=0)[sid]
+    return p.data
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GLM_RAY_CACHE", Path.home() / ".cache" / "glm-ray"))
+
+
+def default_tiny_model() -> str:
+    """Path of the cached tiny model, written on first use (safe against concurrent callers)."""
+    path = cache_dir() / "tiny-glm5"
+    if (path / "config.json").is_file():
+        return str(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".tiny.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").is_file():
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            write_tiny(tmp)
+            tmp.rename(path)
+    return str(path)

@@ -1,0 +1,61 @@
+"""Quantization as strategy objects on layers.
+
+A layer knows its shapes and its tensor-parallel split; its quant *method* owns the weights:
+`create_weights` registers parameters (with their on-disk names and a `weight_loader` that places a
+checkpoint tensor into this rank's shard), `process_weights_after_loading` turns checkpoint layout
+into runtime layout (dequant for the reference, preshuffle for aiter, ...), `apply` runs the math.
+"Unquantized" is a method too, so layer code never branches on `None`.
+
+`QuantConfig.get_method(layer, prefix)` is the one place that decides which method a layer gets.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from glm_ray.layers.moe import FusedMoE
+
+
+class LinearMethod(ABC):
+    """Strategy for a (possibly TP-sharded) linear layer `y = x @ W.T`.
+
+    The layer passes its *per-rank* shape: `out_features` rows, `in_features` columns.
+    """
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
+                       params_dtype: torch.dtype) -> None: ...
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        return None
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...   # [T, in] -> [T, out]
+
+
+class MoEMethod(ABC):
+    """Strategy for the routed experts of one MoE layer (per-rank intermediate shard)."""
+
+    @abstractmethod
+    def create_weights(self, layer: "FusedMoE", num_experts: int, hidden_size: int,
+                       intermediate_size: int, params_dtype: torch.dtype) -> None: ...
+
+    def process_weights_after_loading(self, layer: "FusedMoE") -> None:
+        return None
+
+    @abstractmethod
+    def apply(self, layer: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor: ...   # x [T, D], topk_* [T, K] -> [T, D]
+
+
+class QuantConfig(ABC):
+    """Parsed `quantization_config` (or its absence); decides the method per layer."""
+
+    name: str = "none"
+
+    @abstractmethod
+    def get_method(self, layer: nn.Module, prefix: str) -> LinearMethod | MoEMethod: ...

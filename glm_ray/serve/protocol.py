@@ -1,0 +1,716 @@
+"""OpenAI-compatible wire types and the pure functions around them (no Ray, no FastAPI).
+
+Request models accept what OpenAI's API and vLLM's extensions accept (sampling extras such as
+`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, ...) and
+ignore unknown fields like OpenAI does. `to_sampling_params` turns a request into the engine's
+`SamplingParams`; every problem becomes an `APIError` that the ingress renders as
+`{"error": {"message", "type", "param", "code"}}` with the right HTTP status.
+
+Logprob formatting lives here too, so it can be unit-tested without a server: the engine hands
+per-token dicts `{token_id: logprob}` (the sampled/actual token first, then the top-k) and these
+functions render OpenAI's completions shape (`tokens`/`token_logprobs`/`top_logprobs`/
+`text_offset`) and chat shape (`content: [{token, logprob, bytes, top_logprobs}]`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from typing import Any, Literal, Optional, Protocol, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from glm_ray.engine.sampling_params import SamplingParams
+
+# Largest n we fan out (each choice is one engine request).
+MAX_N = 128
+# Logprob values that JSON cannot carry (-inf, nan) are clamped to this, like vLLM.
+MIN_LOGPROB = -9999.0
+MAX_TOP_LOGPROBS = 20
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error with an HTTP status, rendered in OpenAI's error shape."""
+
+    def __init__(self, status_code: int, message: str, *, type: str | None = None,
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type or _default_error_type(status_code)
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
+                                             param=self.param, code=self.code)).model_dump()
+
+    def __repr__(self) -> str:
+        return f"APIError({self.status_code}, {self.message!r}, param={self.param!r})"
+
+
+def _default_error_type(status: int) -> str:
+    if status == 404:
+        return "not_found_error"
+    if status in (400, 413, 422):
+        return "invalid_request_error"
+    if status == 503:
+        return "service_unavailable"
+    if status >= 500:
+        return "internal_error"
+    return "invalid_request_error"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_parameter") -> APIError:
+    return APIError(400, message, type="invalid_request_error", param=param, code=code)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Union[str, int, None] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def format_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """pydantic/FastAPI error list -> (message, param). `param` is the top-level field."""
+    parts = []
+    param = None
+    for err in errors[:3]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if param is None and loc:
+            param = loc[0]
+        where = ".".join(loc)
+        msg = err.get("msg", "invalid value")
+        parts.append(f"{where}: {msg}" if where else msg)
+    if len(errors) > 3:
+        parts.append(f"(+{len(errors) - 3} more)")
+    return "; ".join(parts) or "invalid request", param
+
+
+def parse_body(body: bytes | str, model: type[BaseModel]) -> Any:
+    """Raw request body -> `model`, raising APIError(400) on malformed JSON or bad fields."""
+    try:
+        obj = json.loads(body) if body else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"Malformed JSON body: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        msg, param = format_validation_errors(e.errors(include_url=False))
+        raise bad_request(msg, param=param) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------
+
+
+class OpenAIBaseModel(BaseModel):
+    # OpenAI ignores unknown fields; keep them (visible via `model_extra`) but never act on them.
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions. `None` = "use the default"."""
+    model: Optional[str] = None
+    n: Optional[int] = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = None
+    min_tokens: Optional[int] = 0
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: Optional[bool] = False
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    prompt_logprobs: Optional[int] = None
+    include_stop_str_in_output: Optional[bool] = False
+    skip_special_tokens: Optional[bool] = True
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16                 # OpenAI's and vLLM's default for completions
+    echo: Optional[bool] = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+    add_special_tokens: Optional[bool] = True
+
+    def prompt_list(self) -> list[Union[str, list[int]]]:
+        """The prompt as a non-empty list of single prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif len(p) == 0:
+            items = []
+        elif isinstance(p[0], int):
+            items = [list(p)]
+        else:
+            items = list(p)
+        if not items:
+            raise bad_request("prompt must not be empty", param="prompt")
+        for item in items:
+            if len(item) == 0:
+                raise bad_request("prompt must not be empty", param="prompt")
+        return items
+
+
+class ContentPart(OpenAIBaseModel):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+    def text_content(self) -> str:
+        c = self.content
+        if c is None:
+            return ""
+        if isinstance(c, str):
+            return c
+        texts = []
+        for part in c:
+            if part.type not in ("text", "input_text"):
+                raise bad_request(f"content part type {part.type!r} is not supported by this "
+                                  "text-only model", param="messages")
+            texts.append(part.text or "")
+        return "\n".join(texts)
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """What the chat template sees: role + flattened text content + any other fields."""
+        d = {k: v for k, v in self.model_dump().items() if v is not None}
+        d["role"] = self.role
+        d["content"] = self.text_content()
+        return d
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: Optional[bool] = False
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template_dict() for m in self.messages]
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: Optional[bool] = True
+    return_token_strs: Optional[bool] = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
+    add_special_tokens: Optional[bool] = False
+    return_token_strs: Optional[bool] = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template_dict() for m in self.messages]
+
+
+def parse_tokenize_body(body: bytes | str) -> Union[TokenizeCompletionRequest, TokenizeChatRequest]:
+    try:
+        obj = json.loads(body) if body else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"Malformed JSON body: {e}", code="invalid_json") from None
+    model = TokenizeChatRequest if isinstance(obj, dict) and "messages" in obj else TokenizeCompletionRequest
+    return parse_body(body, model)
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+# --------------------------------------------------------------------------------------------
+# Request -> SamplingParams
+# --------------------------------------------------------------------------------------------
+
+# Request fields that may be defaulted from the model's generation_config.json (as vLLM does).
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _pick(value, name: str, defaults: dict[str, Any] | None, fallback):
+    if value is not None:
+        return value
+    if defaults and defaults.get(name) is not None:
+        return defaults[name]
+    return fallback
+
+
+def requested_max_tokens(req: _SamplingRequest) -> int | None:
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
+
+
+def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest],
+                       default_max_tokens: int | None,
+                       defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """Request -> SamplingParams (with `n` as requested; the ingress fans out to n=1 each).
+
+    `default_max_tokens` is used when the request gives none (the ingress passes
+    `max_model_len - prompt_len`, i.e. "until the context is full").
+    `defaults` are the model's generation-config defaults for fields the request left unset.
+    Raises APIError(400) naming the offending `param`.
+    """
+    is_chat = isinstance(req, ChatCompletionRequest)
+
+    # Things SamplingParams does not model: reject clearly rather than silently ignore.
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request(f"response_format type {req.response_format.get('type')!r} is not supported; "
+                          "only 'text'", param="response_format")
+    n = 1 if req.n is None else req.n
+    if n > MAX_N:
+        raise bad_request(f"n must be at most {MAX_N}, got {n}", param="n")
+    if not is_chat:
+        if req.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != n:
+            raise bad_request("best_of is not supported (it must be unset or equal to n)", param="best_of")
+
+    # Logprobs.
+    if is_chat:
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
+                                  param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    prompt_logprobs = req.prompt_logprobs
+    if not is_chat and req.echo and logprobs is not None:
+        # Echoed prompt tokens carry logprobs too: ask the engine for them.
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+
+    max_tokens = requested_max_tokens(req)
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+
+    top_k = _pick(req.top_k, "top_k", defaults, -1)
+    if top_k == 0:
+        top_k = -1
+    stop = req.stop
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+
+    kwargs = dict(
+        n=n,
+        temperature=float(_pick(req.temperature, "temperature", defaults, 1.0)),
+        top_p=float(_pick(req.top_p, "top_p", defaults, 1.0)),
+        top_k=int(top_k),
+        min_p=float(_pick(req.min_p, "min_p", defaults, 0.0)),
+        seed=req.seed,
+        repetition_penalty=float(_pick(req.repetition_penalty, "repetition_penalty", defaults, 1.0)),
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        max_tokens=max_tokens,
+        min_tokens=int(req.min_tokens or 0),
+        stop=list(stop),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=True if req.skip_special_tokens is None else bool(req.skip_special_tokens),
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        param = getattr(e, "param", None)
+        if is_chat and param == "max_tokens" and req.max_completion_tokens is not None:
+            param = "max_completion_tokens"
+        if is_chat and param == "logprobs":
+            param = "top_logprobs"
+        raise bad_request(str(e), param=param) from None
+    except TypeError as e:
+        raise bad_request(str(e)) from None
+
+
+def check_prompt_fits(prompt_len: int, max_tokens: int | None, max_model_len: int,
+                      param: str = "prompt") -> None:
+    """400 when prompt + requested completion cannot fit in the context (vLLM's rule)."""
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {prompt_len} tokens, which leaves no room for a completion. Please "
+            f"reduce the length of the {'messages' if param == 'messages' else 'prompt'}.",
+            param=param, code="context_length_exceeded")
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+            f"{'messages' if param == 'messages' else 'prompt'}, {max_tokens} for the "
+            "completion). Please reduce the length of the prompt or the completion.",
+            param="max_tokens", code="context_length_exceeded")
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise bad_request(f"token id {t} is out of range [0, {vocab_size})", param=param)
+
+
+# --------------------------------------------------------------------------------------------
+# Responses
+# --------------------------------------------------------------------------------------------
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+    def extend(self, other: "CompletionLogProbs") -> None:
+        self.text_offset += other.text_offset
+        self.token_logprobs += other.token_logprobs
+        self.tokens += other.tokens
+        self.top_logprobs += other.top_logprobs
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+
+
+class CompletionResponseStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatLogprobEntry(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: Optional[list[ChatLogprobEntry]] = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[str] = Field(default=None, exclude_if=lambda v: v is None)
+    content: Optional[str] = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Optional[UsageInfo] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "glm-ray"
+    root: Optional[str] = None
+    parent: Optional[str] = None
+    max_model_len: Optional[int] = None
+    permission: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def sse(payload: BaseModel | dict) -> str:
+    """One server-sent event frame."""
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json()
+    else:
+        data = json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Logprob formatting
+# --------------------------------------------------------------------------------------------
+
+
+class TokenTexts(Protocol):
+    """What the formatters need from a tokenizer (glm_ray.serve.detok.TokenStrings fits)."""
+
+    def text(self, token_id: int) -> str: ...
+
+    def bytes(self, token_id: int) -> bytes: ...
+
+
+def clamp_logprob(x: float | None) -> float | None:
+    if x is None:
+        return None
+    x = float(x)
+    if math.isnan(x) or x == -math.inf:
+        return MIN_LOGPROB
+    return max(x, MIN_LOGPROB)
+
+
+def top_items(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely (token_id, logprob) pairs of one position, best first (stable on ties)."""
+    if k <= 0:
+        return []
+    return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, float]]],
+                        k: int, tok: TokenTexts, initial_offset: int = 0) -> CompletionLogProbs:
+    """Completions-API logprobs for a run of tokens.
+
+    `logprobs[i]` is None for a position without logprobs (the first prompt token when echoing).
+    `top_logprobs[i]` holds the top-k tokens by logprob plus the chosen token (so k or k+1
+    entries; token strings that decode identically collapse). `text_offset` counts characters of
+    the token strings from `initial_offset` (the length of text already returned for this choice).
+    """
+    out = CompletionLogProbs()
+    offset = initial_offset
+    for tid, lp in zip(token_ids, logprobs):
+        s = tok.text(tid)
+        out.tokens.append(s)
+        out.text_offset.append(offset)
+        offset += len(s)
+        if lp is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(clamp_logprob(lp.get(tid)))
+        top: dict[str, float] = {}
+        for t, v in top_items(lp, k):
+            top.setdefault(tok.text(t), clamp_logprob(v))
+        if tid in lp:
+            top.setdefault(s, clamp_logprob(lp[tid]))
+        out.top_logprobs.append(top)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, float]]],
+                  k: int, tok: TokenTexts) -> list[ChatLogprobEntry]:
+    """Chat-API logprob entries: the chosen token plus exactly the top-k alternatives, best first."""
+    entries = []
+    for tid, lp in zip(token_ids, logprobs):
+        lp = lp or {}
+        entries.append(ChatLogprobEntry(
+            token=tok.text(tid),
+            logprob=clamp_logprob(lp.get(tid, MIN_LOGPROB)),
+            bytes=list(tok.bytes(tid)),
+            top_logprobs=[TopLogprob(token=tok.text(t), logprob=clamp_logprob(v), bytes=list(tok.bytes(t)))
+                          for t, v in top_items(lp, k)],
+        ))
+    return entries
+
+
+def format_prompt_logprobs(prompt_ids: list[int], plps: Optional[list[Optional[dict[int, float]]]],
+                           k: int, tok: TokenTexts) -> Optional[PromptLogprobs]:
+    """vLLM's `prompt_logprobs` shape: per prompt position None or {token_id: {logprob, rank, decoded_token}}
+    holding the actual token and the top-k; `rank` is 1-based within what the engine returned
+    (None for an actual token outside the top-k)."""
+    if plps is None:
+        return None
+    out: PromptLogprobs = []
+    for tid, lp in zip(prompt_ids, plps):
+        if lp is None:
+            out.append(None)
+            continue
+        ranked = sorted(lp.items(), key=lambda kv: -kv[1])
+        top = ranked[:k]
+        entry: dict[int, PromptLogprob] = {}
+        for r, (t, v) in enumerate(top, start=1):
+            entry[t] = PromptLogprob(logprob=clamp_logprob(v), rank=r, decoded_token=tok.text(t))
+        if tid in lp and tid not in entry:
+            entry[tid] = PromptLogprob(logprob=clamp_logprob(lp[tid]), rank=None, decoded_token=tok.text(tid))
+        out.append(entry)
+    return out
+
+
+def load_generation_defaults(model_path: str) -> dict[str, Any]:
+    """The sampling defaults from `generation_config.json` (what vLLM applies by default)."""
+    import os
+    path = os.path.join(model_path, "generation_config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {k: cfg[k] for k in GENERATION_DEFAULT_FIELDS if cfg.get(k) is not None}

@@ -1,0 +1,140 @@
+"""One TP rank's model, KV-cache tensors and per-request state; turns a `SchedulerOutput` into a
+forward pass and (on rank 0) sampled tokens.
+
+`execute(step)`:  update request states -> build inputs + ForwardBatch -> model -> logits of the
+positions that sample (and of prompt positions that want prompt logprobs) -> sample on rank 0.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from glm_ray.config import EngineConfig, ModelConfig
+from glm_ray.distributed.parallel_state import tp_rank, tp_size
+from glm_ray.engine.kv_cache import kv_bytes_per_token
+from glm_ray.engine.outputs import LogprobDict
+from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.engine.scheduler import SchedulerOutput
+from glm_ray.model.forward_batch import build_forward_batch
+from glm_ray.worker.sampler import SamplingRow, gather_logprobs, sample, to_logprob_dict
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReqState:
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What rank 0 returns for one step (plain data)."""
+    sampled: dict[str, int] = field(default_factory=dict)                      # req_id -> token
+    logprobs: dict[str, LogprobDict] = field(default_factory=dict)             # req_id -> {tok: lp}
+    prompt_logprobs: dict[str, list[LogprobDict]] = field(default_factory=dict)  # req_id -> per target pos
+    timings: dict[str, float] = field(default_factory=dict)                    # seconds: prepare/forward/sample
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module, device: torch.device,
+                 num_blocks: int):
+        self.cfg, self.model_cfg, self.model, self.device = cfg, model_cfg, model, device
+        self.block_size = cfg.cache.block_size
+        slots = num_blocks * self.block_size
+        L = model_cfg.num_hidden_layers
+        # NOTE: one slab per layer; block b of layer l is rows [b*bs, (b+1)*bs) of kv_caches[l].
+        self.kv_caches = [torch.zeros(slots, model_cfg.kv_cache_dim, dtype=model_cfg.dtype, device=device)
+                          for _ in range(L)]
+        self.index_caches = {l: torch.zeros(slots, model_cfg.index_head_dim, dtype=model_cfg.dtype, device=device)
+                             for l in model_cfg.full_indexer_layers()} if model_cfg.has_indexer else {}
+        self.requests: dict[str, ReqState] = {}
+        self.eos = model_cfg.eos_token_ids
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB per rank)", num_blocks, self.block_size,
+                    num_blocks * self.block_size * kv_bytes_per_token(model_cfg, model_cfg.dtype) / 2**20)
+
+    # ---- state diff ---------------------------------------------------------------------------
+    def _update_states(self, step: SchedulerOutput) -> None:
+        for rid in step.finished_req_ids:
+            self.requests.pop(rid, None)
+        for nr in step.new_requests:
+            gen = None
+            if nr.params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(nr.params.seed)
+            self.requests[nr.req_id] = ReqState(nr.params, nr.prompt_token_ids, generator=gen)
+        for s in step.seqs:
+            st = self.requests[s.req_id]
+            st.block_ids = list(s.block_ids) if s.reset_blocks else st.block_ids + s.block_ids
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+        t0 = time.perf_counter()
+        self._update_states(step)
+        if step.is_empty:
+            return ModelRunnerOutput() if tp_rank() == 0 else None
+        seqs = step.seqs
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long).to(self.device)
+        qlens = [len(s.token_ids) for s in seqs]
+        batch = build_forward_batch(qlens, [s.start_pos + len(s.token_ids) for s in seqs],
+                                    [self.requests[s.req_id].block_ids for s in seqs], self.block_size,
+                                    self.device, self.cfg.mla_mode)
+        # rows of hidden states to turn into logits: every sampling seq's last token, plus the
+        # prompt positions of seqs that want prompt logprobs
+        ends = torch.tensor(qlens).cumsum(0)
+        sample_rows = [int(ends[i]) - 1 for i, s in enumerate(seqs) if s.sample]
+        t1 = time.perf_counter()
+        hidden = self.model(ids, batch, self.kv_caches, self.index_caches)     # [T, D]
+        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None   # [N, V]
+        plp = self._prompt_logprobs(seqs, hidden, ends)
+        t2 = time.perf_counter()
+        if tp_rank() != 0:
+            return None
+        out = ModelRunnerOutput(prompt_logprobs=plp)
+        sampling = [s for s in seqs if s.sample]
+        if sampling:
+            rows = [SamplingRow(self.requests[s.req_id].params, self.requests[s.req_id].generator,
+                                self.requests[s.req_id].prompt_ids, self.requests[s.req_id].output_ids, self.eos)
+                    for s in sampling]
+            tokens, raw = sample(logits, rows)
+            tok_list = tokens.tolist()                                          # the one host sync per step
+            k = max((r.params.logprobs or 0) for r in rows)
+            want = any(r.params.logprobs is not None for r in rows)
+            lps = gather_logprobs(raw, tokens, k) if want else None
+            for i, (s, tok) in enumerate(zip(sampling, tok_list)):
+                self.requests[s.req_id].output_ids.append(tok)
+                out.sampled[s.req_id] = tok
+                n = rows[i].params.logprobs
+                if n is not None:
+                    out.logprobs[s.req_id] = to_logprob_dict(tok, lps[0][i], *lps[1][i], n)
+        t3 = time.perf_counter()
+        out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2}
+        return out
+
+    def _prompt_logprobs(self, seqs, hidden, ends) -> dict[str, list[LogprobDict]]:
+        out: dict[str, list[LogprobDict]] = {}
+        for i, s in enumerate(seqs):               # per request that asked, not per token
+            if not s.prompt_logprobs:
+                continue
+            st = self.requests[s.req_id]
+            P = len(st.prompt_ids)
+            start = int(ends[i]) - len(s.token_ids)
+            # positions p in this chunk with a known next prompt token p+1 < P
+            n = max(0, min(s.start_pos + len(s.token_ids), P - 1) - s.start_pos)
+            if n == 0:
+                out[s.req_id] = []
+                continue
+            logits = self.model.compute_logits(hidden[start:start + n])          # [n, V]
+            if tp_rank() != 0:
+                continue
+            lp = torch.log_softmax(logits, -1)
+            targets = torch.tensor(st.prompt_ids[s.start_pos + 1:s.start_pos + 1 + n], device=lp.device)
+            k = st.params.prompt_logprobs or 0
+            chosen, tops = gather_logprobs(lp, targets, k)
+            out[s.req_id] = [to_logprob_dict(t, c, *tp, k) for t, c, tp in zip(targets.tolist(), chosen, tops)]
+        return out

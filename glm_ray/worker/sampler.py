@@ -1,0 +1,119 @@
+"""Batched sampling from last-position logits: penalties, min_tokens, temperature, top-k, top-p,
+min-p, per-request seeds, and logprobs of the raw model distribution.
+
+All rows are processed together with masked tensor ops; the only per-row Python work is drawing
+noise for seeded requests (each owns a torch.Generator) and packaging logprob dicts.
+Sampling is `argmax(probs / E)` with E ~ Exp(1) (equivalent to multinomial), so greedy rows are
+plain argmax and random rows share one kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from glm_ray.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+    eos_ids: tuple[int, ...]
+
+
+def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    idx = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if not idx:
+        return logits
+    N, V = len(idx), logits.shape[1]
+    dev = logits.device
+    out_counts = torch.zeros(N, V, device=dev)
+    seen = torch.zeros(N, V, dtype=torch.bool, device=dev)
+    for j, i in enumerate(idx):   # per request (not per token): histories -> count rows
+        r = rows[i]
+        if r.output_ids:
+            out_counts[j].index_add_(0, torch.tensor(r.output_ids, device=dev), torch.ones(len(r.output_ids), device=dev))
+        if r.prompt_ids:
+            seen[j, torch.tensor(r.prompt_ids, device=dev)] = True
+    seen |= out_counts > 0
+    p = [rows[i].params for i in idx]
+    rep = torch.tensor([x.repetition_penalty for x in p], device=dev)[:, None]
+    pres = torch.tensor([x.presence_penalty for x in p], device=dev)[:, None]
+    freq = torch.tensor([x.frequency_penalty for x in p], device=dev)[:, None]
+    sub = logits[idx]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - freq * out_counts - pres * (out_counts > 0).float()
+    logits = logits.clone()
+    logits[idx] = sub
+    return logits
+
+
+def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    blocked = [(i, list(r.eos_ids) + list(r.params.stop_token_ids)) for i, r in enumerate(rows)
+               if len(r.output_ids) < r.params.min_tokens]
+    if not blocked:
+        return logits
+    logits = logits.clone()
+    for i, ids in blocked:
+        if ids:
+            logits[i, ids] = float("-inf")
+    return logits
+
+
+def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, then top-k / top-p / min-p as masks in sorted space (only rows that ask)."""
+    dev = logits.device
+    temp = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=dev)[:, None]
+    logits = logits / temp
+    top_k = torch.tensor([r.params.top_k if r.params.top_k and r.params.top_k > 0 else logits.shape[1]
+                          for r in rows], device=dev)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+    min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+    if any((r.params.top_k or 0) > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in rows):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)               # [N, V]
+        ranks = torch.arange(logits.shape[1], device=dev)[None, :]
+        drop = ranks >= top_k[:, None]
+        probs = sorted_logits.softmax(-1)
+        cum = probs.cumsum(-1) - probs                                            # mass strictly before
+        drop |= cum >= top_p[:, None]
+        drop |= probs < (min_p[:, None] * probs[:, :1])
+        drop[:, 0] = False                                                        # always keep the best
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] fp32 -> (token ids [N], raw logprobs [N, V])."""
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    logits = _mask_min_tokens(_penalize(logits, rows), rows)
+    tokens = logits.argmax(-1)
+    if not all(r.params.greedy for r in rows):
+        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+        probs = _filter(logits, rows).softmax(-1)
+        noise = torch.empty_like(probs).exponential_()
+        for i, r in enumerate(rows):           # seeded rows redraw their noise from their own generator
+            if r.generator is not None and not r.params.greedy:
+                noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=r.generator)
+        sampled = (probs / noise).argmax(-1)
+        tokens = torch.where(greedy, tokens, sampled)
+    return tokens, raw_logprobs
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[list, list]:
+    """(logprob of each row's token, top-k (ids, logprobs) per row) as host lists."""
+    chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+    if k > 0:
+        top = raw_logprobs.topk(k, dim=-1)
+        return chosen.tolist(), list(zip(top.indices.tolist(), top.values.tolist()))
+    return chosen.tolist(), [([], [])] * tokens.shape[0]
+
+
+def to_logprob_dict(token: int, lp: float, top_ids: list[int], top_lps: list[float], k: int) -> dict[int, float]:
+    d = {int(token): float(lp)}
+    for t, v in zip(top_ids[:k], top_lps[:k]):
+        d.setdefault(int(t), float(v))
+    return d

@@ -1,0 +1,106 @@
+"""One TP rank: device, TP group, kernel backend, model + weights, KV-cache tensors, model runner.
+
+Used in-process (`LocalExecutor`, TP=1) or inside a Ray actor (one per GPU; see worker_group.py).
+Start-up stages are named methods so failures say where they happened.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from glm_ray import kernels
+from glm_ray.config import EngineConfig, ModelConfig
+from glm_ray.distributed.parallel_state import init_tensor_parallel, tp_rank
+from glm_ray.engine.kv_cache import num_blocks_for_budget
+from glm_ray.engine.scheduler import SchedulerOutput
+from glm_ray.model.glm_moe_dsa import GlmMoeDsaForCausalLM
+from glm_ray.model.loader import init_dummy_weights, load_weights
+from glm_ray.quant import get_quant_config
+from glm_ray.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+MODEL_CLASSES = {"GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM, "Glm4MoeLiteForCausalLM": GlmMoeDsaForCausalLM}
+
+
+class Worker:
+    def __init__(self, cfg: EngineConfig, rank: int = 0, init_method: str | None = None):
+        self.cfg = cfg
+        self.rank = rank
+        self.tp = cfg.parallel.tensor_parallel_size
+        self.init_method = init_method
+        self.runner: ModelRunner | None = None
+
+    # ---- start-up stages ----------------------------------------------------------------------
+    def init_device(self) -> None:
+        dev = self.cfg.resolved_device()
+        if dev == "cuda":
+            # NOTE: Ray masks CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES per actor -> our GPU is cuda:0
+            torch.cuda.set_device(0)
+            self.device = torch.device("cuda", 0)
+        else:
+            self.device = torch.device("cpu")
+        init_tensor_parallel(self.rank, self.tp, self.init_method or "", self.device.type)
+        kernels.init_backend(self.cfg.kernel_backend, self.device.type)
+        torch.manual_seed(self.cfg.seed)
+
+    def load_model(self) -> dict:
+        self.model_cfg = ModelConfig.from_pretrained(self.cfg.model, self.cfg.dtype)
+        cls = MODEL_CLASSES[self.model_cfg.architecture]
+        quant = get_quant_config(self.model_cfg)
+        with torch.device(self.device):
+            self.model = cls(self.model_cfg, quant, self.model_cfg.dtype, tp=self.tp).eval()
+        if self.cfg.load_format == "dummy":
+            init_dummy_weights(self.model, seed=self.cfg.seed)
+        else:
+            load_weights(self.model, self.cfg.model, progress=self.rank == 0)
+        n = sum(p.numel() for p in self.model.parameters())
+        logger.info("rank %d: %s loaded, %.2fB params on this rank", self.rank, self.model_cfg.architecture, n / 1e9)
+        return {"params": n}
+
+    def determine_num_blocks(self) -> int:
+        cc = self.cfg.cache
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            used = total - free
+            budget = int(total * cc.gpu_memory_utilization - used - 2 * 2**30)   # 2 GiB for activations
+        else:
+            budget = cc.cpu_kv_cache_bytes
+        return num_blocks_for_budget(budget, self.model_cfg, self.model_cfg.dtype, cc.block_size)
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.runner = ModelRunner(self.cfg, self.model_cfg, self.model, self.device, num_blocks)
+
+    # ---- per step -----------------------------------------------------------------------------
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.runner.execute(step)
+
+    def ping(self) -> int:
+        return self.rank
+
+
+class LocalExecutor:
+    """TP=1 in the calling process (offline LLM, tests, the CPU default)."""
+
+    def __init__(self, cfg: EngineConfig):
+        if cfg.parallel.tensor_parallel_size != 1:
+            raise ValueError("LocalExecutor runs TP=1 only; use the Ray worker group for tensor parallelism")
+        self.worker = Worker(cfg)
+        self.worker.init_device()
+        self.worker.load_model()
+        self.num_blocks = self.worker.determine_num_blocks()
+        self.worker.init_cache(self.num_blocks)
+        self.model_cfg = self.worker.model_cfg
+
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute(step)
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
