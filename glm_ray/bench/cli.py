@@ -160,9 +160,12 @@ def _run_compare(args) -> int:
     _print(report.format_compare_report(rows_a, rows_b, name_a=Path(a_path).stem, name_b=Path(b_path).stem,
                                         fmt=args.format, how=args.aggregate, drop_outlier=args.drop_outlier))
     if args.plot_prefix and not args.no_plot:
-        series = {report.label_of(rows_a, Path(a_path).stem): report.aggregate(rows_a, args.aggregate, args.drop_outlier),
-                  report.label_of(rows_b, Path(b_path).stem): report.aggregate(rows_b, args.aggregate, args.drop_outlier)}
-        _plots(series, args.plot_prefix, "A vs B")
+        la, lb = report.label_of(rows_a, Path(a_path).stem), report.label_of(rows_b, Path(b_path).stem)
+        if la == lb:
+            la, lb = f"A: {la}", f"B: {lb}"
+        series = {la: report.aggregate(rows_a, args.aggregate, args.drop_outlier),
+                  lb: report.aggregate(rows_b, args.aggregate, args.drop_outlier)}
+        _plots(series, args.plot_prefix, f"{la} vs {lb}")
     return 0
 
 
@@ -254,6 +257,9 @@ def _run_bench(args) -> int:
         if row["completed"] and not row["output_len_matches_request"]:
             _print(f"  WARNING: output lengths differ from max_tokens (mean {row['mean_output_len']:.1f}); "
                    "does the server honour ignore_eos?")
+        if (row.get("mean_first_chunk_tokens") or 1.0) > 1.0:
+            _print(f"  note: first chunks carried {row['mean_first_chunk_tokens']:.2f} tokens on average "
+                   "(TTFT is to the first chunk; those tokens have no ITL entry)")
         if row["completed"] and not row["token_counts_exact"]:
             _print("  note: tokens per chunk were estimated (server sent no per-chunk usage)")
 

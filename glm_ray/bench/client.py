@@ -182,6 +182,9 @@ async def send_request(
                     except json.JSONDecodeError:
                         rec.error = f"bad SSE data: {_short(body.decode(errors='replace'))}"
                         return rec
+                    if not isinstance(obj, dict):
+                        rec.error = f"bad SSE data: {_short(body.decode(errors='replace'))}"
+                        return rec
                     if obj.get("error"):
                         rec.error = f"stream error: {_short(json.dumps(obj['error']))}"
                         return rec
@@ -214,9 +217,13 @@ async def send_request(
         rec.end = time.perf_counter()
         rec.error = f"timeout: no data for the read timeout after {len(rec.chunk_times)} chunks"
         return rec
-    except aiohttp.ClientError as e:
+    except (aiohttp.ClientError, OSError) as e:
         rec.end = time.perf_counter()
         rec.error = f"{type(e).__name__}: {_short(str(e))}"
+        return rec
+    except (ValueError, TypeError, KeyError) as e:      # malformed fields in an otherwise valid chunk
+        rec.end = time.perf_counter()
+        rec.error = f"bad response: {type(e).__name__}: {_short(str(e))}"
         return rec
     if rec.end is None:
         rec.end = time.perf_counter()

@@ -246,8 +246,9 @@ def format_compare_report(rows_a: Sequence[dict], rows_b: Sequence[dict], *, nam
 def format_run_line(row: dict[str, Any]) -> str:
     """One line per finished run (printed while the sweep goes on)."""
     cons = "ok" if row.get("consistent", True) else "INCONSISTENT"
-    return (f"C={row['max_concurrency']:<3} rep {int(row['repetition']) + 1}: "
-            f"{row['completed']}/{row['completed'] + row['failed']} ok  "
+    done, failed = int(row.get("completed") or 0), int(row.get("failed") or 0)
+    return (f"C={row.get('max_concurrency')!s:<3} rep {int(row.get('repetition') or 0) + 1}: "
+            f"{done}/{done + failed} ok  "
             f"TTFT {_fmt(row.get('mean_ttft_ms'), 1)} ms  ITL {_fmt(row.get('mean_itl_ms'), 2)} ms  "
             f"E2EL {_fmt(row.get('mean_e2el_ms'), 0)} ms  out {_fmt(row.get('output_throughput'), 1)} tok/s  "
             f"[{cons}]")
@@ -281,7 +282,8 @@ def format_run_detail(row: dict[str, Any]) -> str:
              kv("Peak output token throughput (tok/s)", row.get("peak_output_throughput")),
              kv("Peak concurrent requests", row.get("peak_concurrent_requests")),
              kv("Total token throughput (tok/s)", row.get("total_throughput")),
-             kv("Concurrency (sum E2EL / duration)", row.get("achieved_concurrency"))]
+             kv("Concurrency (sum E2EL / duration)", row.get("achieved_concurrency")),
+             kv("Mean tokens in first chunk", row.get("mean_first_chunk_tokens"))]
     for metric, title in (("e2el", "End-to-End Latency"), ("ttft", "Time to First Token"),
                           ("tpot", "Time per Output Token (excl. 1st token)"),
                           ("itl", "Inter-token Latency (per token)"),
@@ -356,7 +358,7 @@ def plot_throughput(series: dict[str, Sequence[AggRow]], path: str | Path, title
                    for a in agg]
             pts = [p for p in pts if p[0] is not None and p[1] is not None]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{i}", label=label)
-            for x, y, c in pts:
+            for x, y, c in pts if i == 0 else ():     # label the points of the first series only
                 ax.annotate(f"C={c}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.margins(0.1)
         ax.set_xlabel(name)

@@ -53,6 +53,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.last_stats = StepStats()
+        self.num_preemptions = 0
         self.eos = set(self.model_cfg.eos_token_ids)
         logger.info("engine ready: %d KV blocks (%d tokens), max_model_len %d", self.kv.num_blocks,
                     self.kv.capacity_tokens, self.max_model_len)
@@ -107,6 +108,7 @@ class EngineCore:
         result = self.executor.execute(sched)
         t2 = time.perf_counter()
         deltas = self._update(sched, result)
+        self.num_preemptions += sched.num_preempted
         t3 = time.perf_counter()
         self.last_stats = StepStats(
             num_tokens=sched.num_tokens,

@@ -46,9 +46,9 @@ def bundled_config(name: str = "glm5-tiny.json") -> dict:
 
 def _corpus() -> list[str]:
     """Plain English + code text available offline: docstrings of a fixed set of stdlib modules."""
-    import collections, functools, itertools, json as _json, pathlib, string, textwrap, typing
+    import collections, functools, itertools, json as _json, pathlib, string, textwrap
     lines = []
-    for mod in (collections, functools, itertools, _json, pathlib, string, textwrap, typing):
+    for mod in (collections, functools, itertools, _json, pathlib, string, textwrap):
         for obj in [mod, *vars(mod).values()]:
             doc = getattr(obj, "__doc__", None)
             if isinstance(doc, str):

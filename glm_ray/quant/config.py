@@ -151,7 +151,7 @@ def _expert_indices(prefix: str, entries: Iterable[str], num_experts: int | None
         return list(range(num_experts))
     found = {0}
     for v in name_variants(prefix):
-        rx = re.compile(re.escape(v) + r"\.(\d+)\.")
+        rx = re.compile(re.escape(v) + r"\.(\d+)(?:\.|$)")
         for e in entries:
             m = rx.match(e[3:] if e.startswith("re:") else e)
             if m:
@@ -181,6 +181,18 @@ class QuantSpec:
         kind "moe": the routed experts at `prefix` (`...mlp.experts`); per-expert checkpoint modules
           `prefix.{e}.{gate,up,down}_proj` are consulted too (`num_experts` = how many to check).
         """
+        _check_kind(kind)
+        shards = tuple(shard_prefixes) if shard_prefixes else ()
+        key = (prefix, kind, num_experts, shards)
+        cache = getattr(self, "_cache", None)
+        if cache is not None and key in cache:
+            return cache[key]
+        scheme = self._resolve(prefix, kind, num_experts, shards)
+        if cache is not None:
+            cache[key] = scheme
+        return scheme
+
+    def _resolve(self, prefix: str, kind: str, num_experts: int | None, shards: tuple[str, ...]) -> QuantScheme:
         raise NotImplementedError
 
     def runtime_tensor_name(self, name: str, *, num_experts: int | None = None) -> str:
@@ -194,8 +206,7 @@ class QuantSpec:
 class NoQuantSpec(QuantSpec):
     method: str = "none"
 
-    def scheme_for(self, prefix, kind="linear", *, num_experts=None, shard_prefixes=None) -> QuantScheme:
-        _check_kind(kind)
+    def _resolve(self, prefix, kind, num_experts, shards) -> QuantScheme:
         return UNQUANTIZED.with_source("no quantization_config")
 
 
@@ -214,6 +225,7 @@ class Fp8BlockSpec(QuantSpec):
     fmt: str = "e4m3"
     scale_fmt: str | None = None
     ignored_layers: tuple[str, ...] = ()
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     @property
     def ue8m0(self) -> bool:
@@ -235,9 +247,8 @@ class Fp8BlockSpec(QuantSpec):
             raise UnsupportedQuantSchemeError(prefix, desc, f"unknown scale_fmt {self.scale_fmt!r}")
         return fp8_block_scheme(self.weight_block_size, ue8m0=self.ue8m0, source="fp8")
 
-    def scheme_for(self, prefix, kind="linear", *, num_experts=None, shard_prefixes=None) -> QuantScheme:
-        _check_kind(kind)
-        names = list(shard_prefixes) if shard_prefixes else [prefix]
+    def _resolve(self, prefix, kind, num_experts, shards) -> QuantScheme:
+        names = list(shards) if shards else [prefix]
         flags = [self._ignored(n) for n in names]
         if kind == "moe" and not flags[0]:
             subs = expert_module_names(prefix, _expert_indices(prefix, self.ignored_layers, num_experts))
@@ -392,6 +403,7 @@ class QuarkSpec(QuantSpec):
     layer_type_quant_config: tuple[tuple[str, QuarkLayerConfig | None], ...] = ()
     exclude: tuple[str, ...] = ()
     module_type: str = "Linear"   # key looked up in layer_type_quant_config (checkpoint modules are Linear)
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     # -- exclusion ------------------------------------------------------------------------
     def _excluded(self, name: str) -> bool:
@@ -438,9 +450,9 @@ class QuarkSpec(QuantSpec):
                 return f"quark.layer_type_quant_config[{tname!r}]", cfg
         return "quark.global_quant_config", self.global_quant_config
 
-    def scheme_for(self, prefix, kind="linear", *, num_experts=None, shard_prefixes=None) -> QuantScheme:
-        _check_kind(kind)
-        if shard_prefixes:
+    def _resolve(self, prefix, kind, num_experts, shards) -> QuantScheme:
+        if shards:
+            shard_prefixes = shards
             schemes = [self.scheme_for(p, kind, num_experts=num_experts) for p in shard_prefixes]
             if any(s != schemes[0] for s in schemes[1:]):
                 raise UnsupportedQuantSchemeError(

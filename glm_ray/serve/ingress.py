@@ -12,8 +12,6 @@ Router contract (glm_ray/serve/router.py):
   router.options(stream=True).generate.remote(request_id, prompt_token_ids, params) -> TokenDelta stream
   router.abort.remote(request_id); router.get_model_info.remote() -> dict; router.check_engine.remote()
 """
-from __future__ import annotations
-
 import asyncio
 import contextvars
 import logging
@@ -302,9 +300,23 @@ class _Fanout:
                 self.ingress._abort_in_background(s.rid)
 
 
+def _pad(lps: Optional[list], n: int) -> list:
+    """Logprob dicts aligned with n tokens (None where the engine sent none)."""
+    lps = list(lps or [])
+    if len(lps) < n:
+        lps += [None] * (n - len(lps))
+    return lps[:n]
+
+
+async def _await(resp):
+    return await resp
+
+
 # --------------------------------------------------------------------------------------------
 # The ingress deployment class
 # --------------------------------------------------------------------------------------------
+# NOTE: `@serve.ingress(app)` pickles the FastAPI app (and so these methods, by value) while this
+# module is still being imported: every module-level name the methods use must be defined above.
 
 
 @serve.ingress(app)
@@ -760,18 +772,6 @@ class OpenAIIngress:
             yield SSE_DONE
         finally:
             fan.close()
-
-
-def _pad(lps: Optional[list], n: int) -> list:
-    """Logprob dicts aligned with n tokens (None where the engine sent none)."""
-    lps = list(lps or [])
-    if len(lps) < n:
-        lps += [None] * (n - len(lps))
-    return lps[:n]
-
-
-async def _await(resp):
-    return await resp
 
 
 def ingress_deployment(**options):

@@ -1,0 +1,212 @@
+"""The client against an in-process stand-in OpenAI server (aiohttp): SSE parsing, token counting,
+usage fallbacks, errors, the sweep driver. No Ray, no model; a few ms of fake decode per token."""
+import asyncio
+import json
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from glm_ray.bench import client as C
+from glm_ray.bench.client import BenchConfig, BenchError
+
+
+def make_app(*, tokens_per_chunk=1, reject_continuous=False, send_usage=True, step_s=0.002, seen=None):
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
+
+    async def completions(request):
+        body = await request.json()
+        if seen is not None:
+            seen.append(body)
+        so = body.get("stream_options") or {}
+        if reject_continuous and "continuous_usage_stats" in so:
+            return web.json_response({"detail": "extra fields not permitted"}, status=422)
+        if any(t >= 1000 for t in body["prompt"]):
+            return web.json_response({"error": {"message": "token id out of range"}}, status=400)
+        n, cont = body["max_tokens"], bool(so.get("continuous_usage_stats"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        done = 0
+        while done < n:
+            k = min(tokens_per_chunk if done else 1, n - done)   # first token alone, then chunks of k
+            await asyncio.sleep(step_s * k)
+            done += k
+            chunk = {"choices": [{"index": 0, "text": "x" * k, "finish_reason": "length" if done == n else None}]}
+            if cont:
+                chunk["usage"] = {"prompt_tokens": len(body["prompt"]), "completion_tokens": done}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if send_usage and so.get("include_usage"):
+            u = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}
+            await resp.write(f"data: {json.dumps(u)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def fail500(request):
+        return web.Response(status=500, text="engine exploded")
+
+    async def midstream_error(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
+        await resp.write(b'data: {"error": {"message": "out of KV cache"}}\n\n')
+        return resp
+
+    async def truncated(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/fail500", fail500)
+    app.router.add_post("/midstream", midstream_error)
+    app.router.add_post("/truncated", truncated)
+    return app
+
+
+async def with_server(app, fn):
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        return await fn(f"http://127.0.0.1:{port}")
+    finally:
+        await runner.cleanup()
+
+
+def run(app, fn):
+    return asyncio.run(with_server(app, fn))
+
+
+def cfg(base, **kw):
+    kw.setdefault("warmup_pause_s", 0.0)
+    kw.setdefault("show_progress", False)
+    return BenchConfig(base_url=base, **kw)
+
+
+async def one_request(base, endpoint="/v1/completions", max_tokens=9, per_chunk=True):
+    c = cfg(base)
+    async with C._session(c) as s:
+        rec = C.RequestRecord(prompt_len=4, max_tokens=max_tokens)
+        return await C.send_request(s, base + endpoint, C._payload(c, "stand-in", [1, 2, 3, 4], max_tokens,
+                                                                     per_chunk), rec)
+
+
+def test_multi_token_chunks_counted_from_per_chunk_usage():
+    r = run(make_app(tokens_per_chunk=4), lambda b: one_request(b, max_tokens=9))
+    assert r.success, r.error
+    assert r.chunk_tokens == [1, 4, 4] and r.tokens_from_usage
+    assert r.output_len == 9 and r.output_len_source == "usage"
+    assert r.start < r.chunk_times[0] < r.chunk_times[-1] <= r.end
+
+
+def test_text_chunks_without_per_chunk_usage():
+    r = run(make_app(tokens_per_chunk=4), lambda b: one_request(b, max_tokens=9, per_chunk=False))
+    assert r.success
+    assert r.chunk_tokens == [1, 1, 1] and not r.tokens_from_usage
+    assert r.output_len == 9                      # from the final usage chunk
+    from glm_ray.bench.metrics import chunk_token_counts
+    assert chunk_token_counts(r) == [1, 4, 4]
+
+
+def test_no_usage_at_all_uses_finish_reason_length():
+    r = run(make_app(tokens_per_chunk=2, send_usage=False), lambda b: one_request(b, max_tokens=5, per_chunk=False))
+    assert r.success
+    assert r.output_len == 5 and r.output_len_source == "finish_reason=length"
+
+
+@pytest.mark.parametrize("endpoint, expect", [
+    ("/fail500", "HTTP 500: engine exploded"),
+    ("/midstream", "stream error"),
+    ("/truncated", "stream ended early"),
+])
+def test_errors_are_failed_requests_with_the_body(endpoint, expect):
+    r = run(make_app(), lambda b: one_request(b, endpoint=endpoint))
+    assert not r.success
+    assert r.error.startswith(expect)
+    assert r.end is not None
+
+
+def test_request_body_is_what_sglang_and_vllm_send():
+    seen = []
+    run(make_app(seen=seen), lambda b: one_request(b, max_tokens=3))
+    body = seen[0]
+    assert body["prompt"] == [1, 2, 3, 4] and body["max_tokens"] == 3
+    assert body["ignore_eos"] is True and body["temperature"] == 0.0 and body["stream"] is True
+    assert body["stream_options"]["include_usage"] is True
+
+
+def test_probe_resolves_model_and_falls_back_when_continuous_usage_refused():
+    async def go(base):
+        async with C._session(cfg(base)) as s:
+            return await C.probe_server(s, cfg(base))
+
+    info = run(make_app(), go)
+    assert info.model == "stand-in" and info.usage_per_chunk and info.vocab_source == "default"
+    info = run(make_app(reject_continuous=True), go)
+    assert info.model == "stand-in" and not info.usage_per_chunk
+
+
+def test_unreachable_server_is_one_clear_error():
+    with pytest.raises(BenchError, match="cannot reach server at http://127.0.0.1:9"):
+        C.run_sweep(BenchConfig(base_url="http://127.0.0.1:9", show_progress=False))
+
+
+def test_bad_vocab_fails_at_readiness():
+    with pytest.raises(BenchError, match="HTTP 400"):
+        run(make_app(), lambda b: C.run_sweep_async(cfg(b, vocab_size=100000, exclude_token_ids=())))
+
+
+def test_sweep_end_to_end():
+    seen = []
+
+    async def go(base):
+        return await C.run_sweep_async(cfg(base, input_len=16, output_len=6, concurrencies=(1, 2), repetitions=2,
+                                           warmup_requests=1, vocab_size=1000))
+
+    server, results = run(make_app(tokens_per_chunk=2, seen=seen), go)
+    assert [(r.concurrency, r.repetition, r.num_prompts) for r in results] == [(1, 0, 4), (1, 1, 4), (2, 0, 8), (2, 1, 8)]
+    for r in results:
+        s = r.summary
+        assert s.completed == r.num_prompts and s.failed == 0
+        assert s.output_len_matches_request and s.token_counts_exact
+        assert s.peak_concurrent_requests <= r.concurrency
+        assert s.latency["ttft"].mean > 0
+    # one probe (4-token prompt), then per run 1 warm-up + N requests; every prompt distinct
+    bench = [b for b in seen if b["max_tokens"] == 6 and len(b["prompt"]) == 16]
+    assert len(seen) == 1 + len(bench)
+    assert len(bench) == 2 * (1 + 4) + 2 * (1 + 8)
+    prompts = {tuple(b["prompt"]) for b in bench}
+    assert len(prompts) == len(bench)
+
+
+def test_poisson_arrivals_spread_the_starts():
+    async def go(base):
+        return await C.run_sweep_async(cfg(base, input_len=4, output_len=2, concurrencies=(8,), num_prompts=8,
+                                           request_rate=200.0, warmup_requests=0, vocab_size=1000))
+
+    _, (res,) = run(make_app(), go)
+    starts = sorted(r.start for r in res.records)
+    assert starts[-1] - starts[0] > 0.005      # 7 exponential gaps of mean 5 ms
+    assert res.summary.completed == 8
+
+
+def test_lengths_and_prompts():
+    rng = np.random.default_rng(0)
+    assert C.sample_lengths(rng, 5, 100, 1.0) == [100] * 5
+    ls = C.sample_lengths(rng, 2000, 100, 0.0)            # sglang default: uniform [1, 100]
+    assert min(ls) == 1 and max(ls) == 100
+    ls = C.sample_lengths(rng, 2000, 100, 0.5)
+    assert min(ls) == 50 and max(ls) == 100
+    ps = C.random_prompts(rng, [3000], 10, exclude=[0, 3, 9])
+    assert set(ps[0]) == {1, 2, 4, 5, 6, 7, 8}
+    a = C.random_prompts(np.random.default_rng([42, 4, 0]), [16], 1000)
+    b = C.random_prompts(np.random.default_rng([42, 4, 0]), [16], 1000)
+    assert a == b
+    with pytest.raises(BenchError):
+        C.random_prompts(rng, [3], 2, exclude=[0, 1])

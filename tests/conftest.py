@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny checkpoints (written once per session) and, for serving tests, one Ray
+session with the app running (see tests/serve/conftest.py)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _write_variant(root, name: str, **overrides) -> str:
+    from glm_ray.model.tiny import bundled_config, write_tiny
+    path = root / name
+    if not (path / "config.json").exists():
+        cfg = bundled_config()
+        cfg.update(overrides)
+        write_tiny(path, cfg)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_variants(tmp_path_factory):
+    """Factory: tiny_variants(name, **config overrides) -> checkpoint dir (cached per session)."""
+    root = tmp_path_factory.mktemp("tiny")
+    cache: dict[str, str] = {}
+
+    def make(name: str, **overrides) -> str:
+        if name not in cache:
+            cache[name] = _write_variant(root, name, **overrides)
+        return cache[name]
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_variants) -> str:
+    """The default tiny GLM-5 (configs/glm5-tiny.json: 4 indexer heads, FFSF IndexShare, n_group 2)."""
+    return tiny_variants("default")
+
+
+@pytest.fixture(scope="session")
+def oracle_dir(tiny_variants) -> str:
+    """Tiny GLM-5 with 16 indexer heads.
+
+    NOTE: with 4 heads, ReLU makes many index scores exactly 0, and top-k ties are broken differently
+    by transformers depending on the total sequence length (its own logits for a prefix change when
+    tokens are appended). 16 heads make exact ties negligible, so parity tests are meaningful.
+    """
+    return tiny_variants("idx16", index_n_heads=16)
