@@ -59,10 +59,9 @@ class EngineCore:
                     self.kv.capacity_tokens, self.max_model_len)
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> Request:
-        if request_id in self.requests:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise InvalidRequestError if the request can never be served; return its resolved max_tokens.
+        Reads only immutable state, so callers may use it while a step runs."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         V = self.model_cfg.vocab_size
@@ -78,6 +77,13 @@ class EngineCore:
             raise InvalidRequestError(
                 f"this request needs {P} prompt + {max_tokens} output tokens = {P + max_tokens}, more than the "
                 f"context length {self.max_model_len}; reduce the prompt or max_tokens", param="max_tokens")
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> Request:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        max_tokens = self.validate_request(prompt_token_ids, params)
         if self.scheduler.num_unfinished >= self.cfg.scheduler.max_waiting + self.cfg.scheduler.max_num_seqs:
             raise EngineOverloadedError("the engine queue is full; retry later", retry_after_s=1.0)
         req = Request(request_id, list(prompt_token_ids), params, max_tokens=max_tokens, prompt=prompt)

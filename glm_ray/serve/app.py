@@ -1,0 +1,21 @@
+"""`build_app(args)`: the Serve application (OpenAI ingress -> Router), for `serve run`,
+`serve build`, `serve deploy` and `glm-ray serve`.
+
+    serve run glm_ray.serve.app:build_app model=/models/GLM-5 tp=8
+    # or, in a serve config: import_path: glm_ray.serve.app:build_app, args: {model: ..., tp: 8}
+"""
+from __future__ import annotations
+
+from ray.serve import Application
+
+from glm_ray.serve.args import ServeArgs
+
+
+def build_app(args: dict | None = None) -> Application:
+    from glm_ray.serve.ingress import ingress_deployment
+    from glm_ray.serve.router import router_deployment
+    a = ServeArgs.from_dict(args)
+    model = a.resolved_model()
+    router = router_deployment(a).bind(a.to_dict())
+    ingress = ingress_deployment(num_replicas=a.ingress_replicas, ray_actor_options={"num_cpus": 0.1})
+    return ingress.bind(router, model, a.model_name())

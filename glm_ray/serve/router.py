@@ -1,0 +1,211 @@
+"""The Router deployment: one replica = one model instance = one TP group.
+
+Owns the `EngineCore` (scheduler, KV block manager, detokenizers) and the Ray worker group, runs the
+batching loop, and streams `TokenDelta`s per request to the ingress.
+
+Threading: the engine is touched by exactly one thing at a time. `engine.step()` runs on a single
+dedicated thread; between steps the event loop applies queued adds/aborts. Requests arriving while a
+step runs wait in `_pending_*` lists (validated synchronously, so bad input still fails fast).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from ray import serve
+
+from glm_ray.engine.engine_core import EngineCore
+from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError
+from glm_ray.engine.llm import load_tokenizer, make_engine_config
+from glm_ray.engine.outputs import TokenDelta
+from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.serve.args import ServeArgs
+from glm_ray.serve.metrics import EngineMetrics
+
+logger = logging.getLogger("glm_ray.serve.router")
+
+
+class _Stream:
+    __slots__ = ("queue", "arrival", "first", "last", "n")
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.first = self.last = None
+        self.n = 0
+
+
+class Router:
+    def __init__(self, args: dict | ServeArgs):
+        self.args = args if isinstance(args, ServeArgs) else ServeArgs.from_dict(args)
+        a = self.args
+        model = a.resolved_model()
+        self.cfg = make_engine_config(
+            model, tensor_parallel_size=a.tp, dtype=a.dtype, device=a.device, load_format=a.load_format,
+            kernel_backend=a.kernel_backend, max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len, block_size=a.block_size,
+            kv_cache_memory_bytes=int(a.kv_cache_memory_gb * 2**30) if a.kv_cache_memory_gb else None,
+            gpu_memory_utilization=a.gpu_memory_utilization, max_waiting=a.max_queued_requests,
+            fp8_proj_gemm=a.fp8_proj_gemm, fp8_proj_min_tokens=a.fp8_proj_min_tokens)
+        from glm_ray.worker.worker_group import RayWorkerGroup
+        self.executor = RayWorkerGroup(self.cfg)
+        self.engine = EngineCore(self.cfg, self.executor, load_tokenizer(model))
+        self.model_path = model
+        self.metrics = EngineMetrics(a.model_name(), a.fp8_proj_gemm, a.tp)
+        self._streams: dict[str, _Stream] = {}
+        self._pending_adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._pending_aborts: list[str] = []
+        self._wakeup = asyncio.Event()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._dead: BaseException | None = None
+        self._last_ok = time.monotonic()
+        self._loop_task = asyncio.get_event_loop().create_task(self._run())
+        logger.info("Router ready: %s tp=%d fp8_proj=%s orchestration=%s", a.model_name(), a.tp, a.fp8_proj_gemm,
+                    self.executor.orchestration)
+
+    # ---- API used by the ingress --------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead}")
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.engine.validate_request(prompt_token_ids, params)
+        pending = self.engine.scheduler.num_unfinished + len(self._pending_adds)
+        if pending >= self.cfg.scheduler.max_waiting + self.cfg.scheduler.max_num_seqs:
+            self.metrics.on_error("overloaded")
+            raise EngineOverloadedError("the engine queue is full; retry later", retry_after_s=1.0)
+        stream = self._streams[request_id] = _Stream()
+        self._pending_adds.append((request_id, list(prompt_token_ids), params))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                d: TokenDelta | BaseException = await stream.queue.get()
+                if isinstance(d, BaseException):
+                    raise d
+                yield d
+                if d.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:           # caller went away (disconnect/cancel) or the engine failed
+                self._pending_aborts.append(request_id)
+                self._wakeup.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._pending_aborts.append(request_id)
+        self._wakeup.set()
+
+    async def get_model_info(self) -> dict:
+        return {"model": self.args.model_name(), "model_path": self.model_path,
+                "max_model_len": self.engine.max_model_len, "vocab_size": self.engine.model_cfg.vocab_size,
+                "tp": self.args.tp, "fp8_proj": self.args.fp8_proj_gemm,
+                "orchestration": self.executor.orchestration}
+
+    async def check_engine(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead}")
+
+    async def check_health(self) -> None:
+        """Serve health check: fails once a worker died or the loop crashed."""
+        await self.check_engine()
+        if not self.engine.has_unfinished() and not self._pending_adds and time.monotonic() - self._last_ok > 5:
+            try:   # idle: probe every rank with an empty step, on the engine thread
+                await asyncio.get_running_loop().run_in_executor(self._thread, self.executor.check_health)
+                self._last_ok = time.monotonic()
+            except Exception as e:
+                self._fail(e)
+                raise EngineDeadError(f"a worker is not responding: {e}") from e
+
+    async def stats(self) -> dict:
+        s = self.engine.last_stats
+        return {"running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
+                "kv_usage": self.engine.kv.usage(), "num_preemptions": self.engine.num_preemptions,
+                "last_step": {"schedule_s": s.schedule_s, "execute_s": s.execute_s, "update_s": s.update_s,
+                              "worker": s.worker_timings, "num_tokens": s.num_tokens}}
+
+    # ---- the batching loop --------------------------------------------------------------------
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        for rid, ids, params in adds:
+            if rid not in self._streams:          # cancelled before it was admitted
+                continue
+            try:
+                self.engine.add_request(rid, ids, params)
+            except Exception as e:
+                self._streams[rid].queue.put_nowait(e)
+        aborts, self._pending_aborts = self._pending_aborts, []
+        for rid in aborts:
+            self.engine.abort(rid)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished():
+                self._wakeup.clear()
+                if self._pending_adds or self._pending_aborts:
+                    continue
+                await self._wakeup.wait()
+                continue
+            try:
+                deltas = await loop.run_in_executor(self._thread, self.engine.step)
+            except Exception as e:
+                logger.exception("engine step failed")
+                self._fail(e)
+                return
+            self._last_ok = time.monotonic()
+            self._publish(deltas)
+
+    def _publish(self, deltas: list[TokenDelta]) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        itl = []
+        for d in deltas:
+            st = self._streams.get(d.request_id)
+            if st is None:
+                continue
+            if st.first is None:
+                st.first = now
+                queue_s = (d.first_scheduled_time or d.arrival_time) - d.arrival_time
+                m.on_first_token(now - st.arrival, max(queue_s, 0.0))
+            else:
+                itl.append(now - st.last)
+            st.last = now
+            st.n += len(d.new_token_ids)
+            if d.finished:
+                tpot = (now - st.first) / (st.n - 1) if st.n > 1 else None
+                m.on_request_finished(now - st.arrival, tpot, d.num_prompt_tokens, st.n, d.finish_reason)
+            st.queue.put_nowait(d)
+        m.on_tokens(itl)
+        s = self.engine.last_stats
+        m.on_step(len(self.engine.scheduler.running), len(self.engine.scheduler.waiting), self.engine.kv.usage(),
+                  s.num_prefill_tokens, s.num_decode_seqs, s.num_preempted)
+
+    def _fail(self, e: BaseException) -> None:
+        self._dead = e
+        err = EngineDeadError(f"the engine failed: {type(e).__name__}: {e}")
+        for st in self._streams.values():
+            st.queue.put_nowait(err)
+        self.metrics.on_error("engine_dead")
+
+    def __del__(self):
+        try:
+            self.executor.shutdown()
+        except Exception:
+            pass
+
+
+def router_deployment(args: ServeArgs):
+    """`serve.deployment(Router)` with the placement group of one TP group."""
+    gpu = args.uses_gpu()
+    bundles = [{"CPU": args.router_cpus}] + [({"GPU": 1, "CPU": 1} if gpu else {"CPU": 1})] * args.tp
+    return serve.deployment(
+        Router, name="Router", num_replicas=1, max_ongoing_requests=100_000,
+        ray_actor_options={"num_cpus": args.router_cpus},
+        placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK",
+        health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=300,
+        graceful_shutdown_wait_loop_s=2)
