@@ -48,3 +48,38 @@ def oracle_dir(tiny_variants) -> str:
     tokens are appended). 16 heads make exact ties negligible, so parity tests are meaningful.
     """
     return tiny_variants("idx16", index_n_heads=16)
+
+
+# ---- one Ray + Serve cluster for the session -----------------------------------------------------
+EXTRA_APPS = [
+    {"name": "tp2", "route_prefix": "/tp2", "args": {"tp": 2, "served_model_name": "glm5-tiny-tp2"}},
+    {"name": "fp8on", "route_prefix": "/fp8on", "args": {"fp8_proj_gemm": True,
+                                                         "served_model_name": "glm5-tiny-fp8on"}},
+]
+
+
+@pytest.fixture(scope="session")
+def serve_cluster(tmp_path_factory):
+    from tests import cluster
+    from glm_ray.model.tiny import default_tiny_model
+    default_tiny_model()                       # write the cached tiny model once, before any replica
+    tmp = tmp_path_factory.mktemp("serve")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    try:
+        c = cluster.start(tmp, EXTRA_APPS)
+    except Exception:
+        cluster.stop(env)
+        raise
+    yield c
+    cluster.stop(c.env)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(serve_cluster):
+    """The app of deploy/serve_config.yaml as deployed (tiny GLM-5, CPU, TP=1)."""
+    return serve_cluster.apps["glm-ray"]
+
+
+@pytest.fixture(scope="session")
+def tp2_server(serve_cluster):
+    return serve_cluster.apps["tp2"]

@@ -32,6 +32,7 @@ class ServeArgs:
     max_queued_requests: int = 1024        # engine waiting-queue bound; beyond it -> 503 + Retry-After
     ingress_replicas: int = 1
     router_cpus: float = 0.5
+    accelerator_type: str | None = None    # e.g. "AMD-Instinct-MI355X-OAM", "H200": pins the GPU bundles
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "ServeArgs":

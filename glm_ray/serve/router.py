@@ -202,7 +202,10 @@ class Router:
 def router_deployment(args: ServeArgs):
     """`serve.deployment(Router)` with the placement group of one TP group."""
     gpu = args.uses_gpu()
-    bundles = [{"CPU": args.router_cpus}] + [({"GPU": 1, "CPU": 1} if gpu else {"CPU": 1})] * args.tp
+    device_bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+    if args.accelerator_type:
+        device_bundle[f"accelerator_type:{args.accelerator_type}"] = 0.001
+    bundles = [{"CPU": args.router_cpus}] + [dict(device_bundle) for _ in range(args.tp)]
     return serve.deployment(
         Router, name="Router", num_replicas=1, max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": args.router_cpus},

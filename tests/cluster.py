@@ -1,0 +1,120 @@
+"""One Ray cluster for the whole test session, started the way users start it:
+`ray start --head` + `serve deploy <config>` + `serve status`, all on 127.0.0.1.
+
+The deployed config is deploy/serve_config.yaml's application, unchanged, plus test-only
+applications (TP=2, fp8_proj on) appended, and the HTTP port moved to a free one.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServedApp:
+    name: str
+    base_url: str          # e.g. http://127.0.0.1:PORT/tp2  (the OpenAI base is base_url + "/v1")
+    model: str
+    max_model_len: int = 0
+    vocab_size: int = 0
+
+
+@dataclass
+class Cluster:
+    gcs_address: str
+    dashboard_url: str
+    metrics_port: int
+    http_port: int
+    apps: dict[str, ServedApp]
+    env: dict
+
+    def serve_cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ray.serve.scripts", *args, "-a", self.dashboard_url],
+                              env=self.env, capture_output=True, text=True, timeout=timeout)
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+def test_config(http_port: int, extra_apps: list[dict]) -> dict:
+    cfg = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+    cfg = copy.deepcopy(cfg)
+    cfg["http_options"]["port"] = http_port
+    base = cfg["applications"][0]
+    for extra in extra_apps:
+        app = copy.deepcopy(base)
+        app["name"], app["route_prefix"] = extra["name"], extra["route_prefix"]
+        app["args"] = {**base["args"], **extra.get("args", {})}
+        cfg["applications"].append(app)
+    return cfg
+
+
+def start(tmp: Path, extra_apps: list[dict], timeout: float = 600) -> Cluster:
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
+    gcs_port, dash_port, metrics_port, http_port = free_port(), free_port(), free_port(), free_port()
+    subprocess.run([_bin("ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+                    "--num-cpus=16", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                    f"--dashboard-port={dash_port}", f"--metrics-export-port={metrics_port}",
+                    "--object-store-memory=300000000", "--disable-usage-stats"],
+                   env=env, check=True, capture_output=True, text=True, timeout=180)
+    cluster = Cluster(f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash_port}", metrics_port, http_port, {}, env)
+    cfg = test_config(http_port, extra_apps)
+    cfg_path = tmp / "serve_config.test.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    _wait_dashboard(cluster.dashboard_url, timeout=120)
+    r = cluster.serve_cli("deploy", str(cfg_path))
+    if r.returncode:
+        raise RuntimeError(f"serve deploy failed: {r.stdout}\n{r.stderr}")
+    names = [a["name"] for a in cfg["applications"]]
+    deadline = time.time() + timeout
+    while True:
+        st = cluster.serve_cli("status")
+        status = yaml.safe_load(st.stdout) if st.returncode == 0 else {}
+        apps = (status or {}).get("applications", {})
+        states = {n: apps.get(n, {}).get("status") for n in names}
+        if all(s == "RUNNING" for s in states.values()):
+            break
+        if any(s in ("DEPLOY_FAILED", "UNHEALTHY") for s in states.values()) or time.time() > deadline:
+            raise RuntimeError(f"serve apps did not reach RUNNING: {states}\n{st.stdout}")
+        time.sleep(2)
+    for a in cfg["applications"]:
+        prefix = a["route_prefix"].rstrip("/")
+        base = f"http://127.0.0.1:{http_port}{prefix}"
+        info = json.load(urllib.request.urlopen(base + "/v1/models", timeout=30))["data"][0]
+        cluster.apps[a["name"]] = ServedApp(a["name"], base, info["id"], info.get("max_model_len", 0),
+                                            info.get("vocab_size", 0))
+    return cluster
+
+
+def _wait_dashboard(url: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url + "/api/version", timeout=5)
+            return
+        except Exception:
+            time.sleep(1)
+    raise RuntimeError(f"Ray dashboard at {url} did not come up")
+
+
+def stop(env: dict) -> None:
+    subprocess.run([_bin("ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
