@@ -74,7 +74,7 @@ class Router:
         self.engine.validate_request(prompt_token_ids, params)
         pending = self.engine.scheduler.num_unfinished + len(self._pending_adds)
         if pending >= self.cfg.scheduler.max_waiting + self.cfg.scheduler.max_num_seqs:
-            self.metrics.on_error("overloaded")
+            self.metrics.on_error(EngineOverloadedError.error_type)
             raise EngineOverloadedError("the engine queue is full; retry later", retry_after_s=1.0)
         stream = self._streams[request_id] = _Stream()
         self._pending_adds.append((request_id, list(prompt_token_ids), params))
@@ -149,7 +149,10 @@ class Router:
                 self._wakeup.clear()
                 if self._pending_adds or self._pending_aborts:
                     continue
-                await self._wakeup.wait()
+                try:   # idle: wake up now and then so gauges are refreshed (Ray drops stale gauges)
+                    await asyncio.wait_for(self._wakeup.wait(), timeout=4.0)
+                except asyncio.TimeoutError:
+                    self.metrics.on_step(0, 0, self.engine.kv.usage(), 0, 0, 0)
                 continue
             try:
                 deltas = await loop.run_in_executor(self._thread, self.engine.step)

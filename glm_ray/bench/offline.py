@@ -1,0 +1,85 @@
+"""Offline engine throughput: `LLM.generate` tokens/s at several batch sizes, and where a step's
+time goes (Python scheduling + update vs the model forward vs sampling).
+
+    python -m glm_ray.bench.offline [MODEL] --batch 1 16 64 --input-len 128 --output-len 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def run(model: str | None, batches: list[int], input_len: int, output_len: int, **engine_kw) -> list[dict]:
+    from glm_ray import LLM, SamplingParams
+    llm = LLM(model, **engine_kw)
+    V = llm.engine.model_cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": torch.randint(10, V, (input_len,), generator=g).tolist()}],
+                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)          # warm-up
+    rows = []
+    for B in batches:
+        prompts = [{"prompt_token_ids": torch.randint(10, V, (input_len,), generator=g).tolist()} for _ in range(B)]
+        eng = llm.engine
+        steps = []
+        orig_step = eng.step
+
+        def timed_step():
+            out = orig_step()
+            s = eng.last_stats
+            steps.append((s.schedule_s, s.execute_s, s.update_s, s.worker_timings, s.num_decode_seqs, s.num_tokens))
+            return out
+        eng.step = timed_step
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        eng.step = orig_step
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        decode = [s for s in steps if s[4] == B and s[5] == B]      # pure decode steps at full batch
+        med = lambda xs: statistics.median(xs) if xs else float("nan")
+        step_total = med([s[0] + s[1] + s[2] for s in decode])
+        fwd = med([s[3].get("forward", 0.0) for s in decode])
+        prep = med([s[3].get("prepare", 0.0) for s in decode])
+        samp = med([s[3].get("sample", 0.0) for s in decode])
+        py_sched = med([s[0] + s[2] for s in decode])
+        rows.append({"batch": B, "input_len": input_len, "output_len": output_len, "wall_s": dt,
+                     "output_tok_s": n_out / dt, "decode_step_ms": step_total * 1e3,
+                     "forward_ms": fwd * 1e3, "prepare_inputs_ms": prep * 1e3, "sample_ms": samp * 1e3,
+                     "schedule_update_ms": py_sched * 1e3,
+                     "python_share": (py_sched + prep) / step_total if step_total else float("nan")})
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--json", default=None, help="also write the rows to this JSONL file")
+    a = p.parse_args(argv)
+    rows = run(a.model, a.batch, a.input_len, a.output_len, dtype=a.dtype, device=a.device,
+               load_format=a.load_format, tensor_parallel_size=a.tp, max_num_seqs=max(a.batch),
+               max_num_batched_tokens=max(2048, a.input_len))
+    cols = ["batch", "output_tok_s", "decode_step_ms", "forward_ms", "prepare_inputs_ms", "sample_ms",
+            "schedule_update_ms", "python_share"]
+    print(" | ".join(f"{c:>18}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:>18.3f}" if isinstance(r[c], float) else f"{r[c]:>18}" for c in cols))
+    if a.json:
+        with open(a.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
