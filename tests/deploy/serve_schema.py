@@ -18,9 +18,19 @@ from __future__ import annotations
 
 import types
 import typing
+import warnings
 from typing import Any
 
 import pydantic
+
+
+def _import_serve():
+    """`ray.serve` and its schema module, without Ray's pydantic deprecation noise."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from ray import serve
+        from ray.serve import schema
+    return serve, schema
 
 
 class ServeConfigError(ValueError):
@@ -116,8 +126,7 @@ def check_deployment_options(config: dict) -> list[str]:
     """Run Serve's `Deployment.options()` on each deployment's options (what `serve deploy`
     applies): catches e.g. an invalid `placement_group_strategy` or `ray_actor_options` that
     do not fit bundle 0 of `placement_group_bundles`."""
-    from ray import serve
-
+    serve, _ = _import_serve()
     problems: list[str] = []
     for a, app in enumerate(config.get("applications") or []):
         for d, dep in enumerate(app.get("deployments") or []):
@@ -139,8 +148,7 @@ def validate_serve_config(config: dict, *, check_options: bool = True):
 
     Raises `ServeConfigError` listing every problem found.
     """
-    from ray.serve.schema import ServeDeploySchema
-
+    ServeDeploySchema = _import_serve()[1].ServeDeploySchema
     if not isinstance(config, dict):
         raise ServeConfigError([f"top level: expected a mapping, got {type(config).__name__}"])
     problems: list[str] = []
