@@ -7,7 +7,9 @@ deployment and the offline `LLM` both drive it.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from glm_ray.config import EngineConfig
@@ -34,6 +36,30 @@ class StepStats:
     update_s: float = 0.0
     worker_timings: dict = field(default_factory=dict)
 
+    @property
+    def step_s(self) -> float:
+        return self.schedule_s + self.execute_s + self.update_s
+
+    @property
+    def orchestration_s(self) -> float:
+        """Time in `execute` not spent inside the workers (transport + Ray), 0 in-process."""
+        w = self.worker_timings
+        return max(0.0, self.execute_s - sum(w.get(k, 0.0) for k in ("prepare", "forward", "sample")))
+
+
+def summarize_steps(steps, decode_only: bool = True) -> dict:
+    """Medians over recent steps: step time, orchestration overhead and its share, host-side Python."""
+    xs = [s for s in steps if (s.num_decode_seqs == s.num_tokens > 0) or (not decode_only and s.num_tokens)]
+    if not xs:
+        return {"steps": 0}
+    med = lambda f: statistics.median(f(s) for s in xs)
+    step, orch = med(lambda s: s.step_s), med(lambda s: s.orchestration_s)
+    return {"steps": len(xs), "step_ms": step * 1e3, "orchestration_ms": orch * 1e3,
+            "orchestration_share": orch / step if step else 0.0,
+            "schedule_update_ms": med(lambda s: s.schedule_s + s.update_s) * 1e3,
+            "forward_ms": med(lambda s: s.worker_timings.get("forward", 0.0)) * 1e3,
+            "batch": med(lambda s: s.num_decode_seqs)}
+
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig, executor, tokenizer=None):
@@ -54,6 +80,7 @@ class EngineCore:
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.last_stats = StepStats()
         self.num_preemptions = 0
+        self.step_history: deque[StepStats] = deque(maxlen=2048)
         self.eos = set(self.model_cfg.eos_token_ids)
         logger.info("engine ready: %d KV blocks (%d tokens), max_model_len %d", self.kv.num_blocks,
                     self.kv.capacity_tokens, self.max_model_len)
@@ -122,6 +149,7 @@ class EngineCore:
             num_decode_seqs=sum(1 for s in sched.seqs if len(s.token_ids) == 1 and s.sample),
             num_preempted=sched.num_preempted, schedule_s=t1 - t0, execute_s=t2 - t1, update_s=t3 - t2,
             worker_timings=result.timings if result is not None else {})
+        self.step_history.append(self.last_stats)
         return deltas
 
     def _update(self, sched: SchedulerOutput, result) -> list[TokenDelta]:

@@ -47,8 +47,9 @@ def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str 
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
 
 
-def make_executor(cfg: EngineConfig):
-    if cfg.parallel.tensor_parallel_size == 1:
+def make_executor(cfg: EngineConfig, executor: str = "auto"):
+    """"local" (in-process, TP=1) or "ray" (one worker actor per rank); "auto" = local iff TP=1."""
+    if executor == "local" or (executor == "auto" and cfg.parallel.tensor_parallel_size == 1):
         from glm_ray.worker.worker import LocalExecutor
         return LocalExecutor(cfg)
     from glm_ray.worker.worker_group import RayWorkerGroup
@@ -56,13 +57,13 @@ def make_executor(cfg: EngineConfig):
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, executor: str = "auto", **kwargs):
         if model is None:
             from glm_ray.model.tiny import default_tiny_model
             model = default_tiny_model()
         self.config = make_engine_config(model, **kwargs)
         self.tokenizer = load_tokenizer(model)
-        self.engine = EngineCore(self.config, make_executor(self.config), self.tokenizer)
+        self.engine = EngineCore(self.config, make_executor(self.config, executor), self.tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -121,11 +121,14 @@ class Router:
                 raise EngineDeadError(f"a worker is not responding: {e}") from e
 
     async def stats(self) -> dict:
+        from glm_ray.engine.engine_core import summarize_steps
         s = self.engine.last_stats
         return {"running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
                 "kv_usage": self.engine.kv.usage(), "num_preemptions": self.engine.num_preemptions,
                 "last_step": {"schedule_s": s.schedule_s, "execute_s": s.execute_s, "update_s": s.update_s,
-                              "worker": s.worker_timings, "num_tokens": s.num_tokens}}
+                              "worker": s.worker_timings, "num_tokens": s.num_tokens},
+                "decode_steps": summarize_steps(list(self.engine.step_history)),
+                "orchestration": self.executor.orchestration}
 
     # ---- the batching loop --------------------------------------------------------------------
     def _apply_pending(self) -> None:
