@@ -78,7 +78,7 @@ def cmd_serve(a) -> int:
     if args["model"] == "tiny":            # write the cache once here, not in two replicas at once
         from glm_ray.model.tiny import default_tiny_model
         default_tiny_model()
-    ray.init(address=a.address, include_dashboard=False, _metrics_export_port=a.metrics_port,
+    ray.init(address=a.address or "local", include_dashboard=False, _metrics_export_port=a.metrics_port,
              num_cpus=a.num_cpus, _node_ip_address=a.host if a.host in ("127.0.0.1", "localhost") else None)
     serve.start(http_options={"host": a.host, "port": a.port})
     serve.run(build_app(args), name="glm-ray", route_prefix="/", blocking=False)

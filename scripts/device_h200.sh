@@ -27,7 +27,7 @@ for TP in $TPS; do
   PORT=$((8000 + TP))
   timeout 300 python3 -m glm_ray.cli serve /tmp/tiny16 --device cuda --dtype float32 --tp $TP --port $PORT \
      --metrics-port $((9000 + TP)) > $OUT/serve_tp$TP.log 2>&1 &
-  for i in $(seq 1 90); do curl -sf 127.0.0.1:$PORT/v1/models >/dev/null && break; sleep 2; done
+  for i in $(seq 1 60); do curl -sf 127.0.0.1:$PORT/v1/models >/dev/null && break; grep -q "Traceback" $OUT/serve_tp$TP.log && break; sleep 2; done
   curl -s 127.0.0.1:$PORT/v1/completions -H 'content-type: application/json' \
      -d '{"model":"tiny16","prompt":[11,12,13,14,15,16,17,18,19,20],"max_tokens":32,"temperature":0,"logprobs":1,"ignore_eos":true}' \
      > $OUT/greedy_tp$TP.json

@@ -28,7 +28,20 @@ def load_tokenizer(path: str):
         logger.warning("%s has no tokenizer: text in/out disabled, token ids only", path)
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(p))
+    try:
+        return AutoTokenizer.from_pretrained(str(p))
+    except Exception as e:   # e.g. an older transformers that rejects newer config.json fields
+        if not (p / "tokenizer.json").is_file():
+            raise
+        logger.warning("AutoTokenizer failed for %s (%s); loading tokenizer.json directly", path, e)
+        import json
+        from transformers import PreTrainedTokenizerFast
+        tc = json.loads((p / "tokenizer_config.json").read_text()) if (p / "tokenizer_config.json").is_file() else {}
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(p / "tokenizer.json"),
+                                      **{k: tc[k] for k in ("eos_token", "pad_token", "bos_token") if tc.get(k)})
+        if (p / "chat_template.jinja").is_file():
+            tok.chat_template = (p / "chat_template.jinja").read_text()
+        return tok
 
 
 def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str = "auto", device: str = "auto",

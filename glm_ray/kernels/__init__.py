@@ -21,6 +21,20 @@ class KernelOps:
     block_fp8_linear: Callable
     # routed experts; x [T, D], w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I], topk_* [T, K] -> [T, D]
     fused_moe: Callable
+    # --- quantized paths (torch references in kernels/torch_ref/quant_ops.py document the contracts) ---
+    # (w, scale_inv, block) -> (w', scale_inv', meta): runtime layout of a block-FP8 linear; `meta` (e.g.
+    # {"preshuffled": True}) is forwarded as kwargs to block_fp8_linear by the method that called it
+    block_fp8_linear_prepare: Callable | None = None
+    # (kind "fp8_block"|"mxfp4", num_experts, hidden, inter, block) -> MoEQuantLayout(hidden_pad, intermediate_pad,
+    # unsupported reason): what this backend's quantized MoE runner needs, asked at model construction
+    moe_quant_layout: Callable | None = None
+    # (kind, w13, w13_scale, w2, w2_scale) -> (w13', w13_scale', w2', w2_scale', meta): preshuffle etc.
+    moe_quant_prepare: Callable | None = None
+    # block-FP8 W8A8 experts: x [T, D], w13 e4m3 [E, 2I', D'], w13_scale_inv [E, 2*ceil(I'/bn), ceil(D'/bk)],
+    # w2 e4m3 [E, D', I'], w2_scale_inv [E, ceil(D'/bn), ceil(I'/bk)] (D' = D + hidden_pad, I' = I + intermediate_pad)
+    fused_moe_block_fp8: Callable | None = None
+    # MXFP4 W4A4 experts: packed uint8 w13 [E, 2I', D'/2] + e8m0 [E, 2I', D'/32], w2 [E, D', I'/2] + [E, D', I'/32]
+    fused_moe_mxfp4: Callable | None = None
 
 
 _REGISTRY: dict[str, Callable[[], KernelOps]] = {}
@@ -36,10 +50,29 @@ def register(name: str):
 
 def _torch_ops() -> KernelOps:
     from glm_ray.kernels.torch_ref import block_fp8_linear, fused_moe
-    return KernelOps(name="torch", block_fp8_linear=block_fp8_linear, fused_moe=fused_moe)
+    from glm_ray.kernels.torch_ref import quant_ops as q
+    return KernelOps(name="torch", block_fp8_linear=block_fp8_linear, fused_moe=fused_moe,
+                     block_fp8_linear_prepare=q.block_fp8_linear_prepare, moe_quant_layout=q.moe_quant_layout,
+                     moe_quant_prepare=q.moe_quant_prepare, fused_moe_block_fp8=q.fused_moe_block_fp8,
+                     fused_moe_mxfp4=q.fused_moe_mxfp4)
+
+
+def _aiter_ops() -> KernelOps:
+    # NOTE: imports the `aiter` package only here, i.e. only when this backend is selected.
+    from glm_ray.kernels.aiter import make_ops
+    return make_ops()
+
+
+def _module_available(name: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 register("torch")(_torch_ops)
+register("aiter")(_aiter_ops)
 
 
 def resolve_backend_name(name: str, device_type: str) -> str:
@@ -48,7 +81,7 @@ def resolve_backend_name(name: str, device_type: str) -> str:
     if device_type == "cuda":
         import torch
         if getattr(torch.version, "hip", None):
-            return "aiter" if "aiter" in _REGISTRY else "torch"
+            return "aiter" if "aiter" in _REGISTRY and _module_available("aiter") else "torch"
         return "cuda" if "cuda" in _REGISTRY else "torch"
     return "torch"
 

@@ -133,7 +133,14 @@ _EXPERT_PARAM = re.compile(r"^(.*\.experts)\.(w13|w2)_(\w+)$")
 
 
 def _checkpoint_names(name: str, owner: nn.Module):
-    """Yield (checkpoint tensor name, weight_loader kwargs) for one runtime parameter."""
+    """Yield (checkpoint tensor name, weight_loader kwargs) for one runtime parameter.
+
+    A param may carry `checkpoint_suffix`: its on-disk last name component when that differs from the
+    runtime one (Quark block-FP8 stores the runtime `weight_scale_inv` as `weight_scale`)."""
+    disk = getattr(getattr(owner, name.rsplit(".", 1)[-1], None), "checkpoint_suffix", None)
+    if disk:
+        head, _, tail = name.rpartition(".")
+        name = f"{head}.{tail.split('_', 1)[0]}_{disk}" if _EXPERT_PARAM.match(name) else f"{head}.{disk}"
     m = _EXPERT_PARAM.match(name)
     if m:
         base, which, suffix = m.groups()

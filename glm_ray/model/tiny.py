@@ -84,6 +84,9 @@ def write_tiny(out_dir: str | os.PathLike, config: dict | None = None, seed: int
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf = dict(config or bundled_config())
+    # NOTE: "layer_types" is derived by transformers; older releases (5.17) reject the value newer ones
+    # write ("indexed_attention"), and real GLM-5 config.json files do not carry it.
+    hf.pop("layer_types", None)
     tokenizer = build_tokenizer(hf["vocab_size"])
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     hf.update(eos_token_id=[ids[t] for t in EOS_TOKENS], bos_token_id=ids["[gMASK]"],
@@ -122,6 +125,10 @@ def write_tiny(out_dir: str | os.PathLike, config: dict | None = None, seed: int
     with open(out / "generation_config.json", "w") as f:
         json.dump({"eos_token_id": hf["eos_token_id"], "pad_token_id": hf["pad_token_id"]}, f, indent=2)
     tokenizer.save_pretrained(str(out))
+    tc_path = out / "tokenizer_config.json"      # portable across transformers 5.x releases
+    tc = json.loads(tc_path.read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc_path.write_text(json.dumps(tc, indent=2))
     logger.info("wrote tiny checkpoint to %s (%d tensors)", out, len(tensors))
     return out
 

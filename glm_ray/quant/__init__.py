@@ -4,13 +4,21 @@ from glm_ray.quant.unquantized import Unquantized, UnquantizedLinearMethod, Unqu
 
 
 def get_quant_config(model_config) -> QuantConfig:
-    """The one place a checkpoint's `quantization_config` becomes a QuantConfig."""
+    """The one place a checkpoint's `quantization_config` becomes a QuantConfig.
+
+    No config -> `Unquantized`; `quant_method` "fp8" (block FP8) / "quark" (MXFP4 MoE + per-layer block
+    FP8) -> `SpecQuantConfig`, which picks one method per layer (quant/dispatch.py). Anything else is a
+    `QuantConfigError` here; a well-formed but unsupported per-layer scheme fails while the model is
+    built, naming the layer (`UnsupportedQuantSchemeError`)."""
+    from glm_ray.quant.config import NoQuantSpec, parse_quant_config
+    from glm_ray.quant.dispatch import SpecQuantConfig
     qc = model_config.quantization_config
     if not qc:
         return Unquantized()
-    method = qc.get("quant_method")
-    raise ValueError(f"quantization method {method!r} is not supported yet by this build "
-                     "(block FP8 and Quark MXFP4 arrive with the quantization issue)")
+    spec = parse_quant_config(qc)
+    if isinstance(spec, NoQuantSpec):
+        return Unquantized()
+    return SpecQuantConfig(spec)
 
 
 __all__ = ["LinearMethod", "MoEMethod", "QuantConfig", "Unquantized", "UnquantizedLinearMethod",

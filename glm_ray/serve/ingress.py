@@ -471,7 +471,7 @@ class OpenAIIngress:
 
     def _model_card(self, info: dict) -> ModelCard:
         return ModelCard(id=self.served_model_name, created=self._created, root=self.model_path,
-                         max_model_len=info.get("max_model_len"))
+                         max_model_len=info.get("max_model_len"), vocab_size=info.get("vocab_size"))
 
     @app.get("/v1/models")
     async def list_models(self):

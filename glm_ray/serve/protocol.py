@@ -575,6 +575,7 @@ class ModelCard(BaseModel):
     root: Optional[str] = None
     parent: Optional[str] = None
     max_model_len: Optional[int] = None
+    vocab_size: Optional[int] = None
     permission: list[dict[str, Any]] = Field(default_factory=list)
 
 

@@ -1,0 +1,10 @@
+"""The "aiter" kernel backend (gfx950 / MI355X), written against ROCm/aiter's Python API as documented
+in shared/reference/quant_contracts.md (§2.4-2.6 dense block-FP8 GEMM, §3.5 e8m0 scale shuffle,
+§4 fused MoE). `aiter` is imported by `make_ops()` only, i.e. only when this backend is selected.
+
+Everything not overridden here (attention, the unquantized MoE, ...) is inherited from the torch
+reference by `kernels.init_backend`.
+"""
+from glm_ray.kernels.aiter.ops import AiterKernels, make_ops
+
+__all__ = ["AiterKernels", "make_ops"]

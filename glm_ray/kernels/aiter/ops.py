@@ -1,0 +1,204 @@
+"""aiter-backed quantized ops (see the package docstring). The contract with aiter, per op:
+
+Dense block-FP8 linear (`block_fp8_linear`, §2.4/§2.6):
+  x (bf16) -> `get_hip_quant(QuantType.per_1x128)(x, quant_dtype=dtypes.fp8, transpose_scale=False)`
+  -> (xq [M, K] fp8, x_scale [M, K/128] fp32 row-major) ->
+  preshuffled weights: `gemm_a8w8_blockscale_bpreshuffle(xq, WQ, x_scale_colmajor, w_scale, dtype=bf16)` with
+    WQ = `shuffle_weight(W, (16, 16))` (done once by `block_fp8_linear_prepare`) and x_scale in
+    column-major layout (strides (1, M): `x_scale.t().contiguous().t()`);
+  plain weights: `gemm_a8w8_blockscale(xq, W, x_scale, w_scale, dtype=bf16)`.
+  Shapes aiter cannot run (block != 128x128, K % 128, N % 16, UE8M0 activations, pre-quantized
+  tuple input) use the torch reference on the (un-shuffled) weight.
+
+Fused MoE (`fused_moe_block_fp8` / `fused_moe_mxfp4`, §4.1-4.7):
+  `fused_moe(hidden_states, w1, w2, topk_weight fp32, topk_ids int32, activation=ActivationType.Silu,
+   quant_type=QuantType.per_128x128 | per_1x32, doweight_stage1=False, w1_scale, w2_scale,
+   dtype=bf16, hidden_pad, intermediate_pad, swiglu_limit, gate_mode="separated")`
+  * routing weights already include GLM's routed_scaling_factor (applied by our router);
+  * block FP8: w1/w2 = shuffle_weight(., (16, 16)) per expert, fp32 scales untouched
+    ([E, 2I/128, D/128], [E, D/128, I/128]);
+  * MXFP4: packed uint8 shuffled (16, 16) then viewed as `dtypes.fp4x2`; scales `e8m0_shuffle` of the
+    2-D views [E*2I, D/32] / [E*D, I/32], viewed back to 3-D and as `dtypes.fp8_e8m0`;
+    `is_shuffled = True` on every weight handed over (aiter reads it);
+  * hidden_pad: hidden_states are given with D' = D + hidden_pad columns (zeros) — aiter's model_dim is
+    w2.shape[1] — and the output's pad columns are dropped (ASSUMPTION from aiter's model_dim
+    derivation; to be confirmed on MI355X).
+  Known numerics differences from the torch reference (documented, measured on GPU later):
+  * aiter HIP MXFP4 activation quant uses RoundUp E8M0 scales (aiter#3212); Quark checkpoints
+    declare "even" — logged once;
+  * swiglu_limit is honoured only by FlyDSL/Opus stage-1 kernels at aiter HEAD (§4.5): the FP8 CK/asm
+    path may silently skip the clamp — the |gate| > 10 GPU test must decide.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from glm_ray.kernels.torch_ref import quant_ops as ref
+from glm_ray.kernels.torch_ref.aiter_layout import unshuffle_weight, x_scale_to_col_major
+from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
+from glm_ray.kernels.torch_ref.fp8 import normalize_e4m3fn_to_e4m3fnuz
+
+logger = logging.getLogger(__name__)
+
+AITER_PADDING_FP4 = 256          # aiter pads the MXFP4 intermediate dim to 128 bytes = 256 fp4 (§4.6)
+BLOCK = (128, 128)
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+class AiterKernels:
+    """Holds the imported aiter entry points; methods are the KernelOps fields."""
+
+    name = "aiter"
+
+    def __init__(self, aiter_module=None):
+        if aiter_module is None:
+            import aiter as aiter_module                                   # noqa: PLC0415 (lazy by design)
+        from aiter.fused_moe import fused_moe
+        from aiter.ops.shuffle import shuffle_weight
+        from aiter.utility.fp4_utils import e8m0_shuffle
+        self.aiter = aiter_module
+        self.dtypes = aiter_module.dtypes
+        self.QuantType = aiter_module.QuantType
+        self.ActivationType = aiter_module.ActivationType
+        self.fused_moe = fused_moe
+        self.shuffle_weight = shuffle_weight
+        self.e8m0_shuffle = e8m0_shuffle
+        self.fp8 = self.dtypes.fp8                                           # e4m3fn on gfx950, fnuz on gfx942
+        self._warned: set[str] = set()
+
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(msg, *args)
+
+    # ---- dense block-FP8 ------------------------------------------------------------------------
+    def block_fp8_linear_prepare(self, w: torch.Tensor, scale_inv: torch.Tensor, block=BLOCK):
+        n, k = w.shape
+        if self.fp8 == torch.float8_e4m3fnuz and w.dtype == torch.float8_e4m3fn:
+            w, scale_inv = normalize_e4m3fn_to_e4m3fnuz(w, scale_inv)        # gfx942 only
+        if tuple(block) != BLOCK or n % 16 or k % 128:
+            return w, scale_inv, {}
+        ws = self.shuffle_weight(w, (16, 16))
+        return ws, scale_inv, {"preshuffled": True}
+
+    def block_fp8_linear(self, x, w, scale_inv, block=BLOCK, out_dtype=None, *, act_ue8m0: bool = False,
+                         bias=None, mode: str = "w8a8", preshuffled: bool = False, **kw):
+        k = w.shape[-1]
+        if (isinstance(x, (tuple, list)) or tuple(block) != BLOCK or mode != "w8a8" or act_ue8m0 or k % 128
+                or w.shape[0] % 16):
+            self._warn_once(f"lin{tuple(w.shape)}", "aiter block_fp8_linear: shape %s / options not supported by "
+                            "aiter, using the torch reference", tuple(w.shape))
+            wp = unshuffle_weight(w) if preshuffled else w
+            return ref_block_fp8_linear(x, wp, scale_inv, block, out_dtype, mode=mode, act_ue8m0=act_ue8m0, bias=bias,
+                                        fp8_dtype=wp.dtype, **kw)
+        lead = x.shape[:-1]
+        odt = out_dtype or x.dtype
+        kdt = odt if odt in (torch.bfloat16, torch.float16) else torch.bfloat16
+        x2 = x.reshape(-1, k).to(kdt)
+        quant = self.aiter.get_hip_quant(self.QuantType.per_1x128)
+        xq, xs = quant(x2, quant_dtype=self.fp8, transpose_scale=False)      # [M, K], [M, K/128] row-major
+        if preshuffled:
+            y = self.aiter.gemm_a8w8_blockscale_bpreshuffle(xq, w, x_scale_to_col_major(xs), scale_inv, dtype=kdt)
+        else:
+            y = self.aiter.gemm_a8w8_blockscale(xq, w, xs, scale_inv, dtype=kdt)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.to(odt).reshape(*lead, w.shape[0])
+
+    # ---- fused MoE ------------------------------------------------------------------------------
+    def moe_quant_layout(self, kind: str, num_experts: int, hidden: int, inter: int, block=None):
+        if kind == "fp8_block":
+            if block is not None and tuple(block) != BLOCK:
+                return ref.MoEQuantLayout(unsupported=f"aiter fused_moe runs 128x128 FP8 blocks only, got {block}")
+            return ref.MoEQuantLayout(hidden_pad=_round_up(hidden, 128) - hidden,
+                                      intermediate_pad=_round_up(inter, 128) - inter)
+        if kind == "mxfp4":
+            # I -> multiple of 256 fp4 (128 packed bytes); D -> multiple of 256 so that the scale
+            # preshuffle needs no padding ((D/32) % 8 == 0 and E*D % 256 == 0).
+            if hidden % 32 or inter % 32:
+                return ref.MoEQuantLayout(unsupported="MXFP4 dims must be multiples of 32")
+            return ref.MoEQuantLayout(hidden_pad=_round_up(hidden, 256) - hidden,
+                                      intermediate_pad=_round_up(inter, AITER_PADDING_FP4) - inter)
+        return ref.MoEQuantLayout(unsupported=f"no aiter MoE runner for {kind!r}")
+
+    def _shuffled(self, w: torch.Tensor) -> torch.Tensor:
+        y = self.shuffle_weight(w, (16, 16))
+        y.is_shuffled = True
+        return y
+
+    def _e8m0_shuffled(self, s: torch.Tensor) -> torch.Tensor:
+        e, rows, cols = s.shape
+        flat = self.e8m0_shuffle(s.reshape(e * rows, cols))
+        if tuple(flat.shape) != (e * rows, cols):
+            raise ValueError(f"e8m0_shuffle padded scales {tuple(s.shape)} -> {tuple(flat.shape)}; "
+                             "moe_quant_layout should have padded D/I")
+        return flat.view(e, rows, cols)
+
+    def moe_quant_prepare(self, kind: str, w13, w13_scale, w2, w2_scale):
+        if kind == "fp8_block":
+            if self.fp8 == torch.float8_e4m3fnuz and w13.dtype == torch.float8_e4m3fn:
+                w13, w13_scale = normalize_e4m3fn_to_e4m3fnuz(w13, w13_scale)
+                w2, w2_scale = normalize_e4m3fn_to_e4m3fnuz(w2, w2_scale)
+            return self._shuffled(w13), w13_scale, self._shuffled(w2), w2_scale, {"preshuffled": True}
+        if kind == "mxfp4":
+            fp4x2, e8m0 = self.dtypes.fp4x2, self.dtypes.fp8_e8m0
+            w13s = self.shuffle_weight(w13.view(torch.uint8), (16, 16)).view(fp4x2)
+            w2s = self.shuffle_weight(w2.view(torch.uint8), (16, 16)).view(fp4x2)
+            w13s.is_shuffled = True                                         # views lose the attribute: re-set
+            w2s.is_shuffled = True
+            s13 = self._e8m0_shuffled(w13_scale.view(torch.uint8)).view(e8m0)
+            s2 = self._e8m0_shuffled(w2_scale.view(torch.uint8)).view(e8m0)
+            return w13s, s13, w2s, s2, {"preshuffled": True}
+        raise ValueError(f"no aiter MoE runner for {kind!r}")
+
+    def _run_moe(self, quant_type, x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, *, swiglu_limit,
+                 gate_mode, hidden_pad, intermediate_pad):
+        d = x.shape[-1]
+        kdt = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        xp = F.pad(x, (0, hidden_pad)) if hidden_pad else x
+        out = self.fused_moe(
+            xp.to(kdt), w13, w2, topk_weights.to(torch.float32), topk_ids.to(torch.int32),
+            activation=self.ActivationType.Silu, quant_type=quant_type, doweight_stage1=False,
+            w1_scale=w13_scale, w2_scale=w2_scale, dtype=kdt, hidden_pad=hidden_pad,
+            intermediate_pad=intermediate_pad, swiglu_limit=swiglu_limit, gate_mode=gate_mode)
+        return (out[:, :d] if hidden_pad else out).to(x.dtype)
+
+    def fused_moe_block_fp8(self, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, *,
+                            block=BLOCK, act_ue8m0=False, swiglu_limit=None, gate_mode="separated", hidden_pad=0,
+                            intermediate_pad=0, preshuffled=False):
+        if not preshuffled:
+            raise RuntimeError("aiter fused_moe (block FP8) needs weights prepared by the aiter runner")
+        if act_ue8m0:
+            self._warn_once("moe_ue8m0", "aiter fused_moe quantizes MoE activations with fp32 scales; the "
+                            "checkpoint's UE8M0 activation-scale rounding is not reproduced")
+        return self._run_moe(self.QuantType.per_128x128, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights,
+                             topk_ids, swiglu_limit=swiglu_limit, gate_mode=gate_mode, hidden_pad=hidden_pad,
+                             intermediate_pad=intermediate_pad)
+
+    def fused_moe_mxfp4(self, x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, *, act_mode="even",
+                        swiglu_limit=None, gate_mode="separated", hidden_pad=0, intermediate_pad=0,
+                        preshuffled=False):
+        if not preshuffled:
+            raise RuntimeError("aiter fused_moe (MXFP4) needs weights prepared by the aiter runner")
+        if act_mode != "round_up":
+            self._warn_once(f"mx_{act_mode}", "checkpoint declares MXFP4 activation scale mode %r; aiter's HIP "
+                            "MoE quantizes activations with RoundUp scales", act_mode)
+        return self._run_moe(self.QuantType.per_1x32, x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
+                             swiglu_limit=swiglu_limit, gate_mode=gate_mode, hidden_pad=hidden_pad,
+                             intermediate_pad=intermediate_pad)
+
+
+def make_ops(aiter_module=None):
+    """KernelOps for the aiter backend (fields it does not set are inherited from torch)."""
+    from glm_ray.kernels import KernelOps
+    k = AiterKernels(aiter_module)
+    return KernelOps(name="aiter", block_fp8_linear=k.block_fp8_linear, fused_moe=None,
+                     block_fp8_linear_prepare=k.block_fp8_linear_prepare, moe_quant_layout=k.moe_quant_layout,
+                     moe_quant_prepare=k.moe_quant_prepare, fused_moe_block_fp8=k.fused_moe_block_fp8,
+                     fused_moe_mxfp4=k.fused_moe_mxfp4)
