@@ -20,7 +20,7 @@ def measure(model, tp: int, mode: str, batch: int, steps: int, **kw) -> dict:
     if mode != "local":
         os.environ["GLM_RAY_ORCHESTRATION"] = mode
     llm = LLM(model, executor="local" if mode == "local" else "ray", tensor_parallel_size=tp,
-              max_num_seqs=batch, **kw)
+              max_num_seqs=batch, kv_cache_memory_bytes=1 << 30, **kw)
     V = llm.engine.model_cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(10, V, (32,), generator=g).tolist()} for _ in range(batch)]
@@ -31,6 +31,11 @@ def measure(model, tp: int, mode: str, batch: int, steps: int, **kw) -> dict:
            "batch": batch, **summarize_steps(list(llm.engine.step_history))}
     if mode != "local":
         llm.engine.executor.shutdown()
+    del llm
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return row
 
 
