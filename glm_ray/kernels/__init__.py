@@ -35,6 +35,8 @@ class KernelOps:
     fused_moe_block_fp8: Callable | None = None
     # MXFP4 W4A4 experts: packed uint8 w13 [E, 2I', D'/2] + e8m0 [E, 2I', D'/32], w2 [E, D', I'/2] + [E, D', I'/32]
     fused_moe_mxfp4: Callable | None = None
+    # dense MXFP4 W4A4 linear: x [..., K], w uint8 [N, K/2], w_scale uint8 [N, K/32], act_mode -> [..., N]
+    mxfp4_linear: Callable | None = None
 
 
 _REGISTRY: dict[str, Callable[[], KernelOps]] = {}
@@ -54,7 +56,7 @@ def _torch_ops() -> KernelOps:
     return KernelOps(name="torch", block_fp8_linear=block_fp8_linear, fused_moe=fused_moe,
                      block_fp8_linear_prepare=q.block_fp8_linear_prepare, moe_quant_layout=q.moe_quant_layout,
                      moe_quant_prepare=q.moe_quant_prepare, fused_moe_block_fp8=q.fused_moe_block_fp8,
-                     fused_moe_mxfp4=q.fused_moe_mxfp4)
+                     fused_moe_mxfp4=q.fused_moe_mxfp4, mxfp4_linear=q.mxfp4_linear)
 
 
 def _aiter_ops() -> KernelOps:

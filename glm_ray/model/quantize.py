@@ -15,8 +15,8 @@ quantized tensors and a `quantization_config` in config.json, in the formats rea
   reads it as an alias of `modules_to_not_convert`) so both stacks build them as plain linears.
   config: `{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
   "weight_block_size": [128, 128], "ignored_layers": [...]}`.
-* `quark-mxfp4-moe` — the amd/GLM-5.3-Flash-Quark-MXFP4 layout (origin PR A; §3.6): routed experts of
-  layers first_k_dense_replace .. L-1 in OCP MXFP4 (`weight` U8 `[N, K/2]` low nibble first, `weight_scale`
+* `quark-mxfp4-moe` — the amd/GLM-5.3-Flash-Quark-MXFP4 layout (origin PR A; §3.6): routed and shared
+  experts of the MoE layers (first_k_dense_replace .. L-1) in OCP MXFP4 (`weight` U8 `[N, K/2]` low nibble first, `weight_scale`
   U8 E8M0 `[N, K/32]`, Quark "even" scales, RNE elements); the MTP layer (index L) in block FP8 with
   Quark's naming (`weight_scale`, fp32) through a `layer_quant_config` pattern; everything else
   unquantized through `exclude` (exact names and `re:` regexes, as Quark exports). The global config
@@ -52,7 +52,8 @@ _FP8_LINEARS = re.compile(
     r"|mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj))$")
 # Linear modules that exist in GLM but stay bf16 (listed as ignored/excluded so loaders build plain linears).
 _BF16_LINEARS = re.compile(r"(^lm_head$|\.eh_proj$|\.mlp\.gate$|\.indexer\.weights_proj$)")
-_EXPERT = re.compile(r"^(model\.(?:language_model\.)?layers\.(\d+))\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$")
+_EXPERT = re.compile(r"^(model\.(?:language_model\.)?layers\.(\d+))\.mlp\.(experts\.\d+|shared_experts)\."
+                     r"(gate_proj|up_proj|down_proj)$")
 _LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
 
 
@@ -237,6 +238,22 @@ def _quark_exclude(unquantized: list[str], plan: _Plan, lm_prefix: str) -> list[
     covered = re.compile(r"(^lm_head$|\.mlp\.gate$|\.eh_proj$|\.indexer\.weights_proj$)")
     exact = [m for m in unquantized if not covered.search(m)]
     return by_regex + exact
+
+
+TINY_QUANT = {"fp8": "fp8-block", "mxfp4": "quark-mxfp4-moe"}
+
+
+def make_tiny_quantized(out_dir: str | os.PathLike, quant: str, config: dict | None = None, seed: int = 0) -> Path:
+    """`glm-ray make-tiny DIR --quant fp8|mxfp4`: write_tiny into a scratch dir next to DIR, quantize into DIR."""
+    import tempfile
+    from glm_ray.model.tiny import write_tiny
+    if quant not in TINY_QUANT:
+        raise ValueError(f"--quant must be one of {sorted(TINY_QUANT)}, got {quant!r}")
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.bf16.") as tmp:
+        write_tiny(tmp, config, seed=seed)
+        return quantize_checkpoint(tmp, out, TINY_QUANT[quant])
 
 
 # --------------------------------------------------------------------------------------------

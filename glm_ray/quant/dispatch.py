@@ -48,6 +48,9 @@ def _linear_method(scheme: QuantScheme) -> LinearMethod | None:
     if scheme.kind == "fp8_block":
         from glm_ray.quant.fp8 import Fp8BlockLinearMethod
         return Fp8BlockLinearMethod(scheme)
+    if scheme.kind == "mxfp4":
+        from glm_ray.quant.mxfp4 import Mxfp4LinearMethod
+        return Mxfp4LinearMethod(scheme)
     return None
 
 
@@ -84,7 +87,7 @@ class SpecQuantConfig(QuantConfig):
         if method is None:
             raise UnsupportedQuantSchemeError(prefix, f"{scheme.kind} {describe(scheme)}",
                                               f"no {kind} method implements it (supported: "
-                                              f"{'unquantized, fp8_block, mxfp4' if kind == 'moe' else 'unquantized, fp8_block'})")
+                                              f"unquantized, fp8_block, mxfp4)")
         self.decisions[prefix] = scheme
         return method
 

@@ -79,6 +79,7 @@ class Fp8BlockLinearMethod(LinearMethod):
         if layer.fp8_shards is None:
             w, s, meta = ops.block_fp8_linear_prepare(layer.weight.data, layer.weight_scale_inv.data, self.block)
             layer.weight.data, layer.weight_scale_inv.data = w, s
+            layer.weight.is_shuffled = bool(meta.get("preshuffled", False))
             layer.fp8_parts = None
             layer.fp8_meta = dict(meta)
             return

@@ -1,4 +1,5 @@
-"""MXFP4 W4A4 routed experts (quant_contracts.md §3, §4; Quark `QuarkW4A4MXFp4MoE` semantics).
+"""MXFP4 W4A4 routed experts (quant_contracts.md §3, §4; Quark `QuarkW4A4MXFp4MoE` semantics), and the
+dense MXFP4 linear (`QuarkW4A4MXFP4`) for Quark checkpoints that also quantize shared experts.
 
 Params (per rank; D' / I' include the runner's padding, recorded on `layer.contract`):
   `w13_weight` uint8 `[E, 2I', D'/2]` (E2M1 codes, element 2j in the low nibble), `w13_weight_scale`
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from glm_ray.layers.weights import set_weight_attrs
-from glm_ray.quant.base import MoEMethod
+from glm_ray.quant.base import LinearMethod, MoEMethod
 from glm_ray.quant.config import QuantScheme, UnsupportedQuantSchemeError
 from glm_ray.quant.fp8 import _replace_params
 from glm_ray.quant.runtime import (
@@ -128,3 +129,42 @@ class Mxfp4MoEMethod(MoEMethod):
             x, layer.w13_weight, layer.w13_weight_scale, layer.w2_weight, layer.w2_weight_scale, topk_weights,
             topk_ids, act_mode=self.act_mode, swiglu_limit=c.swiglu_limit, gate_mode=c.gate_mode.value,
             hidden_pad=c.hidden_pad, intermediate_pad=c.intermediate_pad, **getattr(layer, "moe_runner_meta", {}))
+
+
+class Mxfp4LinearMethod(LinearMethod):
+    """Dense MXFP4 W4A4 linear (Quark checkpoints that quantize shared experts or dense projections).
+
+    `weight` uint8 `[N, K/2]` (packed E2M1, low nibble first) + `weight_scale` uint8 `[N, K/32]` (E8M0),
+    activations MXFP4-quantized with the declared `scale_calculation_mode`. Runs through
+    `kernels.ops().mxfp4_linear` (torch reference on every backend for now). TP: a row-parallel shard
+    of K must be a multiple of 32; column shards are whole rows (no constraint).
+    """
+
+    def __init__(self, scheme: QuantScheme):
+        if scheme.kind != "mxfp4":
+            raise ValueError(f"Mxfp4LinearMethod needs an mxfp4 scheme, got {scheme}")
+        self.scheme = scheme
+        self.act_mode = scheme.act_scale_calculation_mode or "even"
+
+    def create_weights(self, layer, in_features, out_features, params_dtype):
+        prefix = getattr(layer, "prefix", "?")
+        if in_features % MX:
+            raise UnsupportedQuantSchemeError(prefix, "mxfp4 " + describe(self.scheme),
+                                              f"per-rank input {in_features} is not a multiple of {MX}")
+        loader = quantized_loader(layer.weight_loader, prefix, self.scheme, "U8 packed E2M1 + U8 E8M0 scales")
+        w = nn.Parameter(torch.zeros(out_features, in_features // 2, dtype=torch.uint8), requires_grad=False)
+        s = nn.Parameter(torch.full((out_features, in_features // MX), E8M0_ONE, dtype=torch.uint8),
+                         requires_grad=False)
+        layer.register_parameter("weight", set_weight_attrs(w, output_dim=0, input_dim=1, weight_loader=loader,
+                                                            ckpt_dtypes=U8))
+        layer.register_parameter("weight_scale", set_weight_attrs(s, output_dim=0, input_dim=1,
+                                                                  weight_loader=layer.weight_loader, ckpt_dtypes=U8))
+        mxfp4_dummy_pair(w, s, in_features)
+        bind_runner(layer)
+
+    def apply(self, layer, x):
+        return owned_ops(layer).mxfp4_linear(x, layer.weight, layer.weight_scale, act_mode=self.act_mode)
+
+    def dequantized_weight(self, layer) -> torch.Tensor:
+        from glm_ray.kernels.torch_ref.mxfp4 import dequant_mxfp4
+        return dequant_mxfp4(layer.weight.data, layer.weight_scale.data, getattr(layer, "params_dtype", torch.float32))

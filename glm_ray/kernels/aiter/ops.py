@@ -7,8 +7,9 @@ Dense block-FP8 linear (`block_fp8_linear`, §2.4/§2.6):
     WQ = `shuffle_weight(W, (16, 16))` (done once by `block_fp8_linear_prepare`) and x_scale in
     column-major layout (strides (1, M): `x_scale.t().contiguous().t()`);
   plain weights: `gemm_a8w8_blockscale(xq, W, x_scale, w_scale, dtype=bf16)`.
-  Shapes aiter cannot run (block != 128x128, K % 128, N % 16, UE8M0 activations, pre-quantized
-  tuple input) use the torch reference on the (un-shuffled) weight.
+  Shapes/options not known to be supported (block != 128x128, N or K not multiples of 128 — e.g. GLM's
+  kv_a_proj_with_mqa N=576 —, UE8M0 activations, pre-quantized tuple input) use the torch reference
+  on the (un-shuffled) weight, logged once per shape.
 
 Fused MoE (`fused_moe_block_fp8` / `fused_moe_mxfp4`, §4.1-4.7):
   `fused_moe(hidden_states, w1, w2, topk_weight fp32, topk_ids int32, activation=ActivationType.Silu,
@@ -23,6 +24,9 @@ Fused MoE (`fused_moe_block_fp8` / `fused_moe_mxfp4`, §4.1-4.7):
   * hidden_pad: hidden_states are given with D' = D + hidden_pad columns (zeros) — aiter's model_dim is
     w2.shape[1] — and the output's pad columns are dropped (ASSUMPTION from aiter's model_dim
     derivation; to be confirmed on MI355X).
+Dense MXFP4 (shared experts / dense layers of Quark checkpoints): not wired to aiter's a4w4 GEMM yet;
+  inherited from the torch reference (correct, slow) — a GPU TODO.
+
   Known numerics differences from the torch reference (documented, measured on GPU later):
   * aiter HIP MXFP4 activation quant uses RoundUp E8M0 scales (aiter#3212); Quark checkpoints
     declare "even" — logged once;
@@ -82,7 +86,7 @@ class AiterKernels:
         n, k = w.shape
         if self.fp8 == torch.float8_e4m3fnuz and w.dtype == torch.float8_e4m3fn:
             w, scale_inv = normalize_e4m3fn_to_e4m3fnuz(w, scale_inv)        # gfx942 only
-        if tuple(block) != BLOCK or n % 16 or k % 128:
+        if tuple(block) != BLOCK or n % 128 or k % 128:
             return w, scale_inv, {}
         ws = self.shuffle_weight(w, (16, 16))
         return ws, scale_inv, {"preshuffled": True}
@@ -91,7 +95,7 @@ class AiterKernels:
                          bias=None, mode: str = "w8a8", preshuffled: bool = False, **kw):
         k = w.shape[-1]
         if (isinstance(x, (tuple, list)) or tuple(block) != BLOCK or mode != "w8a8" or act_ue8m0 or k % 128
-                or w.shape[0] % 16):
+                or w.shape[0] % 128):
             self._warn_once(f"lin{tuple(w.shape)}", "aiter block_fp8_linear: shape %s / options not supported by "
                             "aiter, using the torch reference", tuple(w.shape))
             wp = unshuffle_weight(w) if preshuffled else w

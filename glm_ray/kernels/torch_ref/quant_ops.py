@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from glm_ray.kernels.torch_ref.fp8 import dequant_block_fp8
 from glm_ray.kernels.torch_ref.moe_quant import fused_moe_act_qdq, qdq_fp8_1x128
 from glm_ray.kernels.torch_ref.mxfp4 import MX_BLOCK, dequant_mxfp4, qdq_mxfp4
+from glm_ray.kernels.torch_ref.mxfp4 import mxfp4_linear as _mxfp4_linear
 
 SEPARATED = "separated"
 
@@ -124,3 +125,12 @@ def fused_moe_mxfp4(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     out = fused_moe_act_qdq(xp, dequant_mxfp4(w13, w13_scale), dequant_mxfp4(w2, w2_scale), topk_weights, topk_ids,
                             act_qdq=qdq, swiglu_limit=swiglu_limit, intermediate_pad=intermediate_pad)
     return out[:, :d] if hidden_pad else out
+
+
+def mxfp4_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, act_mode: str | None = "even",
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Dense MXFP4 W4A4 linear (Quark `QuarkW4A4MXFP4`): x `[..., K]`, w uint8 `[N, K/2]`, w_scale uint8
+    `[N, K/32]` -> `[..., N]` (activations MXFP4-qdq'd with `act_mode`; None = W4A16)."""
+    lead = x.shape[:-1]
+    y = _mxfp4_linear(x.reshape(-1, x.shape[-1]), w, w_scale, act_mode=act_mode, out_dtype=out_dtype)
+    return y.reshape(*lead, w.shape[0])

@@ -1,0 +1,220 @@
+"""The "aiter" backend wiring, on CPU, against a fake `aiter` (tests/kernels/fake_aiter.py) that implements
+the documented signatures: it un-shuffles what it is given with the documented permutations and runs the
+torch references with the contract it was handed. Checked: lazy import, argument order, tensor layouts
+(bpreshuffled weights, column-major x_scale, e8m0-shuffled scales, fp4x2 / e8m0 views), every forwarded
+MoE field (quant_type, activation, gate_mode, swiglu_limit, hidden_pad, intermediate_pad, is_shuffled,
+topk dtypes) and that the numbers equal the torch backend's."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from glm_ray import kernels
+from glm_ray.kernels.torch_ref.aiter_layout import shuffle_weight as ref_shuffle
+from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear, dequant_block_fp8
+from glm_ray.layers.linear import ColumnParallelLinear
+from glm_ray.layers.moe import FusedMoE, MoEContract
+from glm_ray.quant.config import UnsupportedQuantSchemeError
+from tests.kernels import fake_aiter
+from tests.quant.helpers import (
+    expert_tensors, expert_weights, fp8_config, load_module, quantize_tensor, quark_config, routing,
+)
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def aiter_backend(monkeypatch):
+    fake_aiter.install(monkeypatch)
+    ops = kernels.init_backend("aiter")
+    fake_aiter.CALLS.clear()
+    yield ops
+    kernels.init_backend("torch")
+
+
+def _calls(name):
+    return [c for c in fake_aiter.CALLS if c[0] == name]
+
+
+def test_aiter_is_imported_only_when_selected(monkeypatch):
+    monkeypatch.delitem(sys.modules, "aiter", raising=False)
+    kernels.init_backend("torch")
+    import glm_ray.kernels.aiter  # noqa: F401  (the package itself must not import aiter)
+    assert "aiter" not in sys.modules
+    assert kernels.resolve_backend_name("auto", "cpu") == "torch"
+    with pytest.raises(ModuleNotFoundError, match="aiter"):
+        kernels.init_backend("aiter")          # not installed here: a clear import error, only when asked for
+
+
+def test_backend_resolves_and_inherits(aiter_backend):
+    ops = aiter_backend
+    assert ops.name == "aiter"
+    from glm_ray.kernels.torch_ref import fused_moe
+    assert ops.fused_moe is fused_moe                        # not overridden -> torch reference
+    assert ops.fused_moe_block_fp8.__self__.__class__.__name__ == "AiterKernels"
+
+
+# ---------------------------------------------------------------------------------------- dense
+
+def _fp8_linear(n, k, prefix="model.layers.0.self_attn.q_b_proj", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, s = quantize_tensor(torch.randn(n, k, generator=g) / k ** 0.5, "fp8")
+    lin = ColumnParallelLinear(k, n, quant_config=fp8_config(), prefix=prefix, params_dtype=BF16)
+    load_module(lin, prefix, {f"{prefix}.weight": q, f"{prefix}.weight_scale_inv": s})
+    return lin, q, s
+
+
+@pytest.mark.parametrize("m", [1, 7])
+def test_dense_block_fp8_bpreshuffle_contract(aiter_backend, m):
+    lin, q, s = _fp8_linear(256, 384)
+    assert lin.fp8_meta == {"preshuffled": True}
+    assert torch.equal(lin.weight.data.view(torch.uint8), ref_shuffle(q).view(torch.uint8))   # (16,16) layout
+    x = torch.randn(m, 384, generator=torch.Generator().manual_seed(1)).to(BF16)
+    fake_aiter.CALLS.clear()
+    y = lin(x)
+    (_, (xq, wq, xs, ws), kw), = _calls("gemm_a8w8_blockscale_bpreshuffle")
+    assert xq.shape == (m, 384) and wq.shape == (256, 384)
+    assert ws.data_ptr() == lin.weight_scale_inv.data_ptr() and wq.data_ptr() == lin.weight.data_ptr()
+    assert xs.shape == (m, 3) and (m == 1 or xs.stride() == (1, m)) and kw["dtype"] == BF16
+    (_, _, qkw), = _calls("hip_quant")
+    assert qkw["quant_dtype"] == torch.float8_e4m3fn
+    ref = block_fp8_linear(x, q, s)                          # torch backend on the plain weight
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    torch.testing.assert_close(lin.quant_method.dequantized_weight(lin), dequant_block_fp8(q, s, dtype=BF16),
+                               rtol=0, atol=0)                   # kv_b absorption un-shuffles
+
+
+def test_dense_shapes_aiter_cannot_run_use_the_reference(aiter_backend):
+    lin, q, s = _fp8_linear(80, 256, prefix="model.layers.0.self_attn.kv_a_proj_with_mqa")   # N % 16 != 0
+    assert lin.fp8_meta == {}
+    x = torch.randn(3, 256).to(BF16)
+    fake_aiter.CALLS.clear()
+    torch.testing.assert_close(lin(x), block_fp8_linear(x, q, s), rtol=0, atol=0)
+    assert not _calls("gemm_a8w8_blockscale_bpreshuffle") and not _calls("gemm_a8w8_blockscale")
+
+
+def test_dense_plain_gemm_path(aiter_backend):
+    """The non-preshuffled CK entry point: row-major x_scale, plain weight."""
+    ops = aiter_backend
+    g = torch.Generator().manual_seed(2)
+    q, s = quantize_tensor(torch.randn(128, 256, generator=g), "fp8")
+    x = torch.randn(4, 256, generator=g).to(BF16)
+    y = ops.block_fp8_linear(x, q, s)
+    (_, (_, wq, xs, _), _), = _calls("gemm_a8w8_blockscale")
+    assert wq is q and xs.stride() == (2, 1)
+    torch.testing.assert_close(y, block_fp8_linear(x, q, s), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------- MoE
+
+PFX = "model.layers.1.mlp.experts"
+
+
+def _layer(qcfg, fmt, scale_name, E, H, I, contract, mode="even", gate_scale=1.0, seed=0):
+    wg, wu, wd = expert_weights(E, H, I, seed=seed, scale=gate_scale)
+    layer = FusedMoE(E, H, I, quant_config=qcfg, prefix=PFX, params_dtype=BF16, contract=contract)
+    load_module(layer, PFX, expert_tensors(PFX, wg, wu, wd, fmt, scale_name, mode=mode) if fmt == "mxfp4"
+                else expert_tensors(PFX, wg, wu, wd, fmt, scale_name))
+    return layer
+
+
+def _torch_run(make, *args):
+    """Build the same layer under the torch backend and run it there (layers are bound to their runner)."""
+    kernels.init_backend("torch")
+    try:
+        layer = make()
+        return layer, layer(*args)
+    finally:
+        kernels.init_backend("aiter")
+
+
+def test_fused_moe_block_fp8_contract(aiter_backend):
+    E, H, I, T, K = 8, 256, 64, 10, 2
+    contract = MoEContract(swiglu_limit=10.0)
+    make = lambda: _layer(fp8_config(), "fp8", "weight_scale_inv", E, H, I, contract, gate_scale=40.0)  # noqa: E731
+    layer = make()
+    # aiter needs I % 128 == 0: the runner asked for 64 rows of padding, recorded on the layer's contract
+    assert (layer.contract.hidden_pad, layer.contract.intermediate_pad) == (0, 64)
+    assert layer.quant_runner == "aiter" and layer.w13_weight.is_shuffled and layer.w2_weight.is_shuffled
+    assert tuple(layer.w13_weight.shape) == (E, 256, H) and tuple(layer.w13_weight_scale_inv.shape) == (E, 2, 2)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(BF16)
+    tw, ids = routing(T, E, K)
+    fake_aiter.CALLS.clear()
+    y = layer(x, tw, ids)
+    (_, args, kw), = _calls("fused_moe")
+    hs, w1, w2, topk_w, topk_ids = args                       # positional order of aiter.fused_moe
+    assert hs.shape == (T, H) and w1 is layer.w13_weight and w2 is layer.w2_weight
+    assert topk_w.dtype == torch.float32 and topk_ids.dtype == torch.int32
+    assert kw["quant_type"] == fake_aiter.QuantType.per_128x128 and kw["activation"] == fake_aiter.ActivationType.Silu
+    assert kw["gate_mode"] == "separated" and kw["swiglu_limit"] == 10.0
+    assert kw["hidden_pad"] == 0 and kw["intermediate_pad"] == 64 and kw["dtype"] == BF16
+    assert kw["w1_scale"] is layer.w13_weight_scale_inv and kw["w2_scale"] is layer.w2_weight_scale_inv
+    twin, ref = _torch_run(make, x, tw, ids)
+    assert twin.contract.intermediate_pad == 0
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+    # the clamp really was forwarded: dropping it changes the answer
+    fake_aiter.CALLS.clear()
+    import dataclasses
+    layer.contract = dataclasses.replace(layer.contract, swiglu_limit=None)
+    assert (layer(x, tw, ids).float() - ref.float()).abs().max() > 0.2 * ref.float().abs().max()
+
+
+def test_fused_moe_mxfp4_contract(aiter_backend):
+    E, H, I, T, K = 8, 224, 64, 10, 2                           # H % 256 != 0 and I % 256 != 0 -> both padded
+    contract = MoEContract(swiglu_limit=10.0)
+    make = lambda: _layer(quark_config(scale_mode="round_up"), "mxfp4", "weight_scale", E, H, I, contract,  # noqa: E731
+                          mode="round_up", gate_scale=40.0)
+    layer = make()
+    assert (layer.contract.hidden_pad, layer.contract.intermediate_pad) == (32, 192)
+    assert layer.w13_weight.dtype == torch.float4_e2m1fn_x2 and layer.w13_weight.is_shuffled
+    assert layer.w13_weight_scale.dtype == torch.float8_e8m0fnu
+    assert tuple(layer.w13_weight.shape) == (E, 2 * 256, 256 // 2) and tuple(layer.w2_weight_scale.shape) == (E, 256, 8)
+    assert [c[1][0] for c in _calls("e8m0_shuffle")] == [(E * 512, 8), (E * 256, 8)]   # 2-D views, no padding
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(4)).to(BF16)
+    tw, ids = routing(T, E, K)
+    fake_aiter.CALLS.clear()
+    y = layer(x, tw, ids)
+    (_, (hs, w1, w2, _, topk_ids), kw), = _calls("fused_moe")
+    assert hs.shape == (T, 256) and hs[:, H:].abs().max() == 0     # hidden_states carry the zero pad columns
+    assert w1 is layer.w13_weight and w2 is layer.w2_weight and topk_ids.dtype == torch.int32
+    assert kw["quant_type"] == fake_aiter.QuantType.per_1x32 and kw["gate_mode"] == "separated"
+    assert kw["swiglu_limit"] == 10.0 and kw["hidden_pad"] == 32 and kw["intermediate_pad"] == 192
+    assert kw["w1_scale"] is layer.w13_weight_scale and y.shape == (T, H)
+    _, ref = _torch_run(make, x, tw, ids)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+
+
+def test_mxfp4_even_checkpoint_warns_about_roundup(aiter_backend, caplog):
+    layer = _layer(quark_config(), "mxfp4", "weight_scale", 8, 256, 256, MoEContract())
+    with caplog.at_level("WARNING"):
+        layer(torch.randn(3, 256).to(BF16), *routing(3, 8, 2))
+    assert "RoundUp" in caplog.text
+
+
+def test_fake_honours_gate_mode(aiter_backend):
+    """Guard for the contract test itself: the fake would give a different answer for 'interleave'."""
+    layer = _layer(fp8_config(), "fp8", "weight_scale_inv", 8, 256, 128, MoEContract())
+    x = torch.randn(5, 256).to(BF16)
+    tw, ids = routing(5, 8, 2)
+    a = fake_aiter.fused_moe(x, layer.w13_weight, layer.w2_weight, tw, ids.int(), quant_type=fake_aiter.QuantType.per_128x128,
+                             w1_scale=layer.w13_weight_scale_inv, w2_scale=layer.w2_weight_scale_inv, gate_mode="separated")
+    b = fake_aiter.fused_moe(x, layer.w13_weight, layer.w2_weight, tw, ids.int(), quant_type=fake_aiter.QuantType.per_128x128,
+                             w1_scale=layer.w13_weight_scale_inv, w2_scale=layer.w2_weight_scale_inv, gate_mode="interleave")
+    assert (a.float() - b.float()).abs().max() > 0.1 * a.float().abs().max()
+
+
+def test_unsupported_runner_fails_at_construction(aiter_backend):
+    with pytest.raises(UnsupportedQuantSchemeError, match=r"'model\.layers\.1\.mlp\.experts'.*'aiter'.*128x128"):
+        FusedMoE(8, 256, 128, quant_config=fp8_config(weight_block_size=[64, 128]), prefix=PFX, params_dtype=BF16,
+                 contract=MoEContract())
+
+
+def test_fake_layouts_are_inverses():
+    g = torch.Generator().manual_seed(9)
+    w = torch.randint(0, 256, (3, 64, 96), generator=g, dtype=torch.int32).to(torch.uint8)
+    assert torch.equal(fake_aiter._unshuffle(fake_aiter.shuffle_weight(w)), w)
+    assert torch.equal(fake_aiter.shuffle_weight(w), ref_shuffle(w))          # matches glm_ray's own reference
+    s = torch.randint(0, 256, (512, 16), generator=g, dtype=torch.int32).to(torch.uint8)
+    assert torch.equal(fake_aiter._e8m0_unshuffle(fake_aiter.e8m0_shuffle(s)), s)
