@@ -30,7 +30,11 @@ def cmd_make_tiny(a) -> int:
     if a.config and os.path.isfile(a.config):
         with open(a.config) as f:
             cfg = json.load(f)
-    out = write_tiny(a.dir, cfg, seed=a.seed)
+    if a.quant == "bf16":
+        out = write_tiny(a.dir, cfg, seed=a.seed)
+    else:
+        from glm_ray.model.quantize import make_tiny_quantized
+        out = make_tiny_quantized(a.dir, a.quant, cfg, seed=a.seed)
     print(f"wrote {out}")
     return 0
 
@@ -127,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir")
     p.add_argument("--config", default=None, help="a config.json path or a bundled config name (glm5-tiny.json)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quant", default="bf16", choices=["bf16", "fp8", "mxfp4"],
+                   help="fp8: DeepSeek-style block FP8; mxfp4: Quark MXFP4 experts + block-FP8 MTP layer")
     p.set_defaults(func=cmd_make_tiny)
+
+    from glm_ray.model import quantize
+    quantize.add_parser(sub)
 
     from glm_ray.bench import cli as bench_cli
     bench_cli.add_parser(sub)

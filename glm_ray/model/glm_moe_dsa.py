@@ -53,7 +53,8 @@ class MTPLayer(DecoderLayer):
         dt = kw["params_dtype"]
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
-        self.eh_proj = ReplicatedLinear(2 * cfg.hidden_size, cfg.hidden_size, quant_config=kw["quant_config"],
+        # NOTE: eh_proj stays bf16 in every GLM checkpoint (like lm_head), whatever the quant config says
+        self.eh_proj = ReplicatedLinear(2 * cfg.hidden_size, cfg.hidden_size, quant_config=_lm_head_quant(None),
                                         prefix=f"model.layers.{idx}.eh_proj", params_dtype=dt)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)

@@ -104,16 +104,16 @@ def init_dummy_weights(model, seed: int = 0) -> None:
     gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
         gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-        if getattr(p, "is_norm", False) or name.endswith("k_norm.weight"):
+        init = getattr(p, "dummy_init", None)
+        if init is not None:                  # quant methods fill their payloads (and scales) themselves
+            init(p, gen)
+        elif getattr(p, "is_norm", False) or name.endswith("k_norm.weight"):
             p.fill_(1.0)
         elif name.endswith(".bias") or name.endswith("e_score_correction_bias"):
             p.zero_()
         elif p.dtype.is_floating_point and p.element_size() >= 2:
             fan_in = p.shape[-1]
             p.normal_(0.0, fan_in ** -0.5, generator=gen)
-        else:   # fp8 / packed quantized payloads and their scales: the quant method's own init
-            init = getattr(p, "dummy_init", None)
-            if init is None:
-                raise WeightError(f"no dummy initializer for {name} ({p.dtype})")
-            init(p, gen)
+        else:
+            raise WeightError(f"no dummy initializer for {name} ({p.dtype})")
     model.process_weights_after_loading()
