@@ -27,7 +27,7 @@ serve: setup
 	$(VENV)/bin/glm-ray serve $(ARGS)
 
 test: setup-test
-	RAY_AUTH_MODE=disabled $(PY) -m pytest -q $(PYTEST_ARGS)
+	PATH=$(abspath $(VENV))/bin:$$PATH RAY_AUTH_MODE=disabled $(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench-cpu: setup
 	$(PY) -m glm_ray.bench.offline $(ARGS)

@@ -55,6 +55,9 @@ EXTRA_APPS = [
     {"name": "tp2", "route_prefix": "/tp2", "args": {"tp": 2, "served_model_name": "glm5-tiny-tp2"}},
     {"name": "fp8on", "route_prefix": "/fp8on", "args": {"fp8_proj_gemm": True,
                                                          "served_model_name": "glm5-tiny-fp8on"}},
+    # one running + one waiting request at most: for the overload (503) and worker-death tests
+    {"name": "small", "route_prefix": "/small", "args": {"max_num_seqs": 1, "max_queued_requests": 1,
+                                                         "served_model_name": "glm5-tiny-small"}},
 ]
 
 

@@ -50,7 +50,7 @@ class Router:
             gpu_memory_utilization=a.gpu_memory_utilization, max_waiting=a.max_queued_requests,
             fp8_proj_gemm=a.fp8_proj_gemm, fp8_proj_min_tokens=a.fp8_proj_min_tokens)
         from glm_ray.worker.worker_group import RayWorkerGroup
-        self.executor = RayWorkerGroup(self.cfg)
+        self.executor = RayWorkerGroup(self.cfg, name_prefix=_worker_name_prefix())
         self.engine = EngineCore(self.cfg, self.executor, load_tokenizer(model))
         self.model_path = model
         self.metrics = EngineMetrics(a.model_name(), a.fp8_proj_gemm, a.tp)
@@ -60,6 +60,7 @@ class Router:
         self._wakeup = asyncio.Event()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._dead: BaseException | None = None
+        self._recent_aborts: dict[str, float] = {}    # aborts that arrived before their generate()
         self._last_ok = time.monotonic()
         self._loop_task = asyncio.get_event_loop().create_task(self._run())
         logger.info("Router ready: %s tp=%d fp8_proj=%s orchestration=%s", a.model_name(), a.tp, a.fp8_proj_gemm,
@@ -71,6 +72,8 @@ class Router:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if self._recent_aborts.pop(request_id, None) is not None:
+            return                     # the caller gave up before we even saw the request
         self.engine.validate_request(prompt_token_ids, params)
         pending = self.engine.scheduler.num_unfinished + len(self._pending_adds)
         if pending >= self.cfg.scheduler.max_waiting + self.cfg.scheduler.max_num_seqs:
@@ -96,6 +99,10 @@ class Router:
                 self._wakeup.set()
 
     async def abort(self, request_id: str) -> None:
+        if request_id not in self._streams:
+            now = time.monotonic()
+            self._recent_aborts = {k: t for k, t in self._recent_aborts.items() if now - t < 60}
+            self._recent_aborts[request_id] = now
         self._pending_aborts.append(request_id)
         self._wakeup.set()
 
@@ -203,6 +210,15 @@ class Router:
             self.executor.shutdown()
         except Exception:
             pass
+
+
+def _worker_name_prefix() -> str | None:
+    """`glm-ray-worker:<app>:<replica>` so operators (and tests) can find a replica's TP workers."""
+    try:
+        ctx = serve.get_replica_context()
+        return f"glm-ray-worker:{ctx.app_name}:{ctx.replica_id.unique_id}"
+    except Exception:
+        return None
 
 
 def router_deployment(args: ServeArgs):

@@ -78,7 +78,8 @@ class WorkerActor:
 
 
 class RayWorkerGroup:
-    def __init__(self, cfg: EngineConfig, placement: PlacementGroup | None = None, first_bundle: int | None = None):
+    def __init__(self, cfg: EngineConfig, placement: PlacementGroup | None = None, first_bundle: int | None = None,
+                 name_prefix: str | None = None):
         self.cfg = cfg
         tp = cfg.parallel.tensor_parallel_size
         gpu = cfg.resolved_device() == "cuda"
@@ -96,8 +97,9 @@ class RayWorkerGroup:
         if not gpu:
             env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
         opts = dict(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1, runtime_env={"env_vars": env})
+        named = lambda r: {"name": f"{name_prefix}:rank{r}"} if name_prefix else {}
         self.actors = [
-            WorkerActor.options(**opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            WorkerActor.options(**opts, **named(r), scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement, placement_group_bundle_index=first_bundle + r)).remote(cfg, r)
             for r in range(tp)]
         t0 = time.perf_counter()
