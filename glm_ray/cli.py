@@ -44,7 +44,7 @@ def cmd_generate(a) -> int:
     llm = LLM(a.model, tensor_parallel_size=a.tp, device=a.device, dtype=a.dtype, load_format=a.load_format,
               kernel_backend=a.kernel_backend, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-              block_size=a.block_size, fp8_proj_gemm=bool(a.fp8_proj_gemm))
+              block_size=a.block_size, fp8_proj_gemm=a.fp8_proj_gemm)
     tok = llm.get_tokenizer()
     prompts = a.prompt or ["Hello, my name is"]
     if a.chat and tok is not None:

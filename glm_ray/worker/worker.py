@@ -50,6 +50,10 @@ class Worker:
         self.model_cfg = ModelConfig.from_pretrained(self.cfg.model, self.cfg.dtype)
         cls = MODEL_CLASSES[self.model_cfg.architecture]
         quant = get_quant_config(self.model_cfg)
+        if self.cfg.fp8_proj_gemm:
+            from glm_ray.quant.fp8_proj import Fp8ProjOverlay
+            quant = Fp8ProjOverlay(quant, self.cfg.fp8_proj_min_tokens,
+                                   force=os.environ.get("GLM_RAY_FP8_PROJ_FORCE") == "1")
         with torch.device(self.device):
             self.model = cls(self.model_cfg, quant, self.model_cfg.dtype, tp=self.tp).eval()
         if self.cfg.load_format == "dummy":
