@@ -20,28 +20,7 @@ from glm_ray.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(path: str):
-    """The checkpoint's tokenizer, or None when the directory has none (dummy-weight configs)."""
-    from pathlib import Path
-    p = Path(path)
-    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        logger.warning("%s has no tokenizer: text in/out disabled, token ids only", path)
-        return None
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(str(p))
-    except Exception as e:   # e.g. an older transformers that rejects newer config.json fields
-        if not (p / "tokenizer.json").is_file():
-            raise
-        logger.warning("AutoTokenizer failed for %s (%s); loading tokenizer.json directly", path, e)
-        import json
-        from transformers import PreTrainedTokenizerFast
-        tc = json.loads((p / "tokenizer_config.json").read_text()) if (p / "tokenizer_config.json").is_file() else {}
-        tok = PreTrainedTokenizerFast(tokenizer_file=str(p / "tokenizer.json"),
-                                      **{k: tc[k] for k in ("eos_token", "pad_token", "bos_token") if tc.get(k)})
-        if (p / "chat_template.jinja").is_file():
-            tok.chat_template = (p / "chat_template.jinja").read_text()
-        return tok
+from glm_ray.engine.tokenizer import load_tokenizer  # noqa: E402  (re-exported)
 
 
 def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str = "auto", device: str = "auto",
@@ -74,9 +53,8 @@ def make_executor(cfg: EngineConfig, executor: str = "auto"):
 
 class LLM:
     def __init__(self, model: str | None = None, executor: str = "auto", **kwargs):
-        if model is None:
-            from glm_ray.model.tiny import default_tiny_model
-            model = default_tiny_model()
+        from glm_ray.model.tiny import resolve_model
+        model = resolve_model(model)
         self.config = make_engine_config(model, **kwargs)
         self.tokenizer = load_tokenizer(model)
         self.engine = EngineCore(self.config, make_executor(self.config, executor), self.tokenizer)

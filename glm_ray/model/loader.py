@@ -40,7 +40,8 @@ def _shard_files(path: Path) -> list[Path]:
         return [path / f for f in files]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise WeightError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+        raise WeightError(f"{path}: no *.safetensors files and no model.safetensors.index.json "
+                          f"(for random weights of this config use --load-format dummy)")
     return files
 
 

@@ -161,3 +161,32 @@ def default_tiny_model() -> str:
             write_tiny(tmp)
             tmp.rename(path)
     return str(path)
+
+
+def resolve_model(model: str | None) -> str:
+    """A model argument -> an HF-style directory.
+
+    None / "tiny" -> the cached tiny checkpoint; an existing directory -> itself; a config.json file or
+    the name of a bundled config (e.g. "glm5-flash-31b") -> a cached directory holding just that
+    config.json (for `--load-format dummy`: full-size shapes without a checkpoint).
+    """
+    if model in (None, "tiny"):
+        return default_tiny_model()
+    p = Path(model)
+    if p.is_dir():
+        return str(p)
+    if p.is_file() and p.suffix == ".json":
+        text, stem = p.read_text(), p.stem
+    else:
+        name = model if model.endswith(".json") else model + ".json"
+        try:
+            text, stem = resources.files("glm_ray.configs").joinpath(name).read_text(), Path(name).stem
+        except (FileNotFoundError, OSError):
+            raise FileNotFoundError(f"model {model!r}: not a directory, a config.json, or a bundled config "
+                                    f"({', '.join(sorted(n.name for n in resources.files('glm_ray.configs').iterdir() if n.name.endswith('.json')))})") from None
+    import hashlib
+    d = cache_dir() / "configs" / f"{stem}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
+    d.mkdir(parents=True, exist_ok=True)
+    if not (d / "config.json").is_file():
+        (d / "config.json").write_text(text)
+    return str(d)

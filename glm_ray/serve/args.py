@@ -49,10 +49,8 @@ class ServeArgs:
         return args
 
     def resolved_model(self) -> str:
-        if self.model == "tiny":
-            from glm_ray.model.tiny import default_tiny_model
-            return default_tiny_model()
-        return self.model
+        from glm_ray.model.tiny import resolve_model
+        return resolve_model(self.model)
 
     def model_name(self) -> str:
         if self.served_model_name:

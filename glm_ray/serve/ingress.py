@@ -335,12 +335,12 @@ class OpenAIIngress:
     def __init__(self, router, model_path: str, served_model_name: str, *,
                  tokenizer_path: Optional[str] = None, chat_template: Optional[str] = None,
                  generation_config: str = "auto"):
-        from transformers import AutoTokenizer
+        from glm_ray.engine.tokenizer import load_tokenizer
 
         self.router = router
         self.model_path = model_path
         self.served_model_name = served_model_name
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+        self.tokenizer = load_tokenizer(tokenizer_path or model_path)
         self.chat_template = self._load_chat_template(chat_template)
         self.tok = TokenStrings(self.tokenizer)
         self.generation_defaults = load_generation_defaults(model_path) if generation_config == "auto" else {}
