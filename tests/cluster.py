@@ -45,6 +45,15 @@ class Cluster:
     http_port: int
     apps: dict[str, ServedApp]
     env: dict
+    config: dict | None = None
+    tmp: Path | None = None
+
+    def redeploy(self, config: dict) -> None:
+        path = self.tmp / "serve_config.redeploy.yaml"
+        path.write_text(yaml.safe_dump(config))
+        r = self.serve_cli("deploy", str(path))
+        if r.returncode:
+            raise RuntimeError(f"serve deploy failed: {r.stdout}\n{r.stderr}")
 
     def serve_cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "ray.serve.scripts", *args, "-a", self.dashboard_url],
@@ -71,13 +80,29 @@ def test_config(http_port: int, extra_apps: list[dict]) -> dict:
 def start(tmp: Path, extra_apps: list[dict], timeout: float = 600) -> Cluster:
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
     gcs_port, dash_port, metrics_port, http_port = free_port(), free_port(), free_port(), free_port()
+    # NOTE: every port explicit (none of Ray's defaults), so this cluster can run beside another one
+    other = {flag: free_port() for flag in ("ray-client-server-port", "dashboard-agent-listen-port",
+                                            "dashboard-agent-grpc-port", "runtime-env-agent-port",
+                                            "node-manager-port", "object-manager-port")}
     subprocess.run([_bin("ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
                     "--num-cpus=16", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                     f"--dashboard-port={dash_port}", f"--metrics-export-port={metrics_port}",
-                    "--object-store-memory=300000000", "--disable-usage-stats"],
+                    "--object-store-memory=300000000", "--disable-usage-stats",
+                    *(f"--{k}={v}" for k, v in other.items())],
                    env=env, check=True, capture_output=True, text=True, timeout=180)
+    env["RAY_ADDRESS"] = f"127.0.0.1:{gcs_port}"      # the Serve CLI and drivers talk to *this* cluster
     cluster = Cluster(f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash_port}", metrics_port, http_port, {}, env)
+    try:
+        return _deploy(cluster, tmp, extra_apps, timeout)
+    except BaseException:
+        stop(env)
+        raise
+
+
+def _deploy(cluster: Cluster, tmp: Path, extra_apps: list[dict], timeout: float) -> Cluster:
+    http_port = cluster.http_port
     cfg = test_config(http_port, extra_apps)
+    cluster.config, cluster.tmp = cfg, tmp
     cfg_path = tmp / "serve_config.test.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     _wait_dashboard(cluster.dashboard_url, timeout=120)
@@ -117,4 +142,25 @@ def _wait_dashboard(url: str, timeout: float) -> None:
 
 
 def stop(env: dict) -> None:
-    subprocess.run([_bin("ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+    """Stop only this cluster: kill the processes that name its GCS address (`ray stop` would kill
+    every Ray cluster on the machine, e.g. a developer's or another test run's)."""
+    import re
+
+    import psutil
+    port = env.get("RAY_ADDRESS", "").rsplit(":", 1)[-1]
+    if not port.isdigit():
+        return
+    # the GCS itself, and every raylet/agent/worker/dashboard that points at it (whatever IP it uses)
+    pattern = re.compile(rf"(--gcs_server_port={port}\b|(gcs[-_]address|ray\.address)=\S+:{port}\b)")
+    mine = [p for p in psutil.process_iter(["cmdline"]) if pattern.search(" ".join(p.info["cmdline"] or []))]
+    for p in mine:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(mine, timeout=15)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass

@@ -67,11 +67,9 @@ def serve_cluster(tmp_path_factory):
     from glm_ray.model.tiny import default_tiny_model
     default_tiny_model()                       # write the cached tiny model once, before any replica
     tmp = tmp_path_factory.mktemp("serve")
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
     try:
         c = cluster.start(tmp, EXTRA_APPS)
     except Exception:
-        cluster.stop(env)
         raise
     yield c
     cluster.stop(c.env)

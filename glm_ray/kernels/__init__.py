@@ -65,6 +65,12 @@ def _aiter_ops() -> KernelOps:
     return make_ops()
 
 
+def _cuda_ops() -> KernelOps:
+    # NOTE: imports triton only here (inside make_ops), i.e. only when this backend is selected.
+    from glm_ray.kernels.cuda import make_ops
+    return make_ops()
+
+
 def _module_available(name: str) -> bool:
     import importlib.util
     try:
@@ -75,6 +81,7 @@ def _module_available(name: str) -> bool:
 
 register("torch")(_torch_ops)
 register("aiter")(_aiter_ops)
+register("cuda")(_cuda_ops)
 
 
 def resolve_backend_name(name: str, device_type: str) -> str:

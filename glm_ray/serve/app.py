@@ -17,5 +17,7 @@ def build_app(args: dict | None = None) -> Application:
     a = ServeArgs.from_dict(args)
     model = a.resolved_model()
     router = router_deployment(a).bind(a.to_dict())
-    ingress = ingress_deployment(num_replicas=a.ingress_replicas, ray_actor_options={"num_cpus": 0.1})
+    # NOTE: long generations must survive rolling updates: both deployments drain for up to 10 minutes
+    ingress = ingress_deployment(num_replicas=a.ingress_replicas, ray_actor_options={"num_cpus": 0.1},
+                                 graceful_shutdown_timeout_s=600)
     return ingress.bind(router, model, a.model_name())

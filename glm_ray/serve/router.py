@@ -232,5 +232,5 @@ def router_deployment(args: ServeArgs):
         Router, name="Router", num_replicas=1, max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": args.router_cpus},
         placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK",
-        health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=300,
+        health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=600,
         graceful_shutdown_wait_loop_s=2)

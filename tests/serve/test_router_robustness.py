@@ -64,3 +64,53 @@ def test_dead_worker_fails_health_and_replica_is_replaced(serve_cluster):
             time.sleep(3)
     finally:
         ray.shutdown()
+
+
+def test_rolling_update_drains_in_flight_stream(serve_cluster):
+    """Redeploying "small" (new served name) replaces its replicas; a stream that started before the
+    update still receives every token (graceful shutdown drains), and the new version then serves."""
+    import copy
+    import threading
+    app = serve_cluster.apps["small"]
+    results = {}
+
+    def stream(i):
+        # NOTE: "small" runs one request at a time: the second waits in the old replica's queue, so
+        # the update has to drain both a running and a queued request (~2 x 22 s of decoding on 2 CPU cores; the new version is live after ~22 s).
+        body = {"model": app.model, "prompt": [11, 12, 13 + i], "max_tokens": 700, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        n_chunks, usage = 0, None
+        with requests.post(app.base_url + "/v1/completions", json=body, stream=True, timeout=600) as r:
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    n_chunks += bool(chunk.get("choices"))
+                    usage = chunk.get("usage") or usage
+        results[i] = dict(status=r.status_code, usage=usage, chunks=n_chunks, end=time.time() - t0)
+
+    t0 = time.time()
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(3)                                      # the stream is running on the old replica
+    cfg = copy.deepcopy(serve_cluster.config)
+    small = next(a for a in cfg["applications"] if a["name"] == "small")
+    small["args"]["served_model_name"] = "glm5-tiny-small-v2"
+    serve_cluster.redeploy(cfg)
+    deadline = time.time() + 300
+    while True:                                        # wait for the new version to answer
+        try:
+            ids = [m["id"] for m in requests.get(app.base_url + "/v1/models", timeout=10).json()["data"]]
+            if ids == ["glm5-tiny-small-v2"]:
+                break
+        except (requests.RequestException, ValueError, KeyError):
+            pass
+        assert time.time() < deadline, "the updated app never came up"
+        time.sleep(2)
+    switched_while_streaming, t_switch = threads[1].is_alive(), time.time() - t0
+    for t in threads:
+        t.join(600)
+    for r in results.values():
+        assert r["status"] == 200 and r["usage"]["completion_tokens"] == 700, results
+    assert switched_while_streaming, f"the streams ended before the update (switch at {t_switch:.0f}s, {results})"
+    print(f"new version live at {t_switch:.0f}s; streams ended at {[round(r['end']) for r in results.values()]}s")

@@ -1,0 +1,336 @@
+"""The `cuda` (NVIDIA Hopper) KernelOps: what runs where, and when the torch reference is used instead
+(logged once per reason and counted in `CudaKernels.fallbacks`).
+
+* block_fp8_linear: dynamic 1x128 activation quant (Triton; torch ops without triton) +
+  `torch._scaled_mm` blockwise on weights padded once to (Np % 128, Kp % 512) (layout.py), or the
+  Triton block-FP8 GEMM (`GLM_RAY_CUDA_FP8_GEMM=triton`, or for a K at which `_scaled_mm` failed its
+  load-time self-check). Reference when: not CUDA, sm < 90, block != 128x128, a pre-quantized
+  (x_q, x_s) input, mode "w8a16", output dtype not bf16/fp16, non-e4m3fn weights.
+* block_fp8_linear_prepare: zero-pads and keeps [N, K] corner views (meta {"n_pad", "k_pad"}) and
+  self-checks `_scaled_mm` against the reference once per Kp; unchanged layout where the op falls back.
+* fused_moe (bf16/fp16): Triton grouped kernels. Reference when: not CUDA, sm < 80, x not bf16/fp16
+  (fp32 runs are test configurations and get the exact reference).
+* fused_moe_block_fp8: Triton grouped kernels, W8A8 1x128 / 128x128. Reference when: not CUDA,
+  sm < 90, block != 128x128.
+* fused_moe_mxfp4: Triton grouped kernels, W4A16 (e2m1/e8m0 dequantized in registers) plus MXFP4 qdq
+  of both stage inputs when `act_mode` is set (= the W4A4 numerics of the reference). Reference when:
+  not CUDA, sm < 80, unknown act_mode, sizes not multiples of 32.
+* mxfp4_linear: MXFP4 qdq (Triton) + the Triton W4A16 GEMM in identity dispatch. Reference when: not
+  CUDA, sm < 80, K % 32.
+* moe_quant_layout / moe_quant_prepare: inherited from torch (no padding, no re-layout needed).
+* Any kernel exception (e.g. a Triton compile error on an untested GPU/Triton pair) marks that op
+  broken for the process: logged with its traceback, reference from then on (`_guarded`).
+gate_mode must be "separated" everywhere (the torch contract check raises otherwise).
+
+No host syncs on the hot paths: routing is sorted with device ops (`layout.moe_align`), grids are sized
+from shapes, unused blocks exit on a device-side count. The `_scaled_mm` self-check syncs once per
+K at load time (never during CUDA-graph capture).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+from glm_ray.kernels.cuda import layout as L
+from glm_ray.kernels.torch_ref import fused_moe as ref_fused_moe
+from glm_ray.kernels.torch_ref import quant_ops as ref
+from glm_ray.kernels.torch_ref.fp8 import FP8_DTYPE
+from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
+from glm_ray.kernels.torch_ref.fp8 import per_token_group_quant_fp8
+from glm_ray.kernels.torch_ref.mxfp4 import canonical_scale_mode
+
+logger = logging.getLogger(__name__)
+
+BLOCK = (128, 128)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+SCALED_MM_SELFCHECK_RTOL = 3e-2     # garbage measured on the K trap was 1e3..2e5 relative; valid runs ~2e-3
+
+
+class CudaKernels:
+    """Methods are the KernelOps fields. `fallbacks` counts reference fallbacks per (op, reason) — the GPU
+    tests assert it stays empty for every supported shape, so a silent fallback cannot pass as a kernel."""
+
+    name = "cuda"
+
+    def __init__(self, fp8_gemm: str | None = None):
+        self._warned: set[str] = set()
+        self.fallbacks: Counter = Counter()
+        self.fp8_gemm = fp8_gemm or os.environ.get("GLM_RAY_CUDA_FP8_GEMM", "scaled_mm")
+        if self.fp8_gemm not in ("scaled_mm", "triton"):
+            raise ValueError(f"GLM_RAY_CUDA_FP8_GEMM={self.fp8_gemm!r}: expected 'scaled_mm' or 'triton'")
+        self._selfcheck: dict[tuple, bool] = {}
+        self.broken: dict[str, str] = {}                             # op -> first kernel error
+        self._sm: dict[int, tuple[int, int]] = {}
+        try:
+            from glm_ray.kernels.cuda import triton_kernels as tk   # noqa: PLC0415 (imports triton)
+            self.tk, self.triton_error = tk, None
+        except Exception as e:                                      # noqa: BLE001 — any import failure
+            self.tk, self.triton_error = None, f"triton unavailable ({type(e).__name__}: {e})"
+            logger.warning("cuda kernel backend: %s; MoE / MXFP4 ops use the torch reference", self.triton_error)
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+    def _warn_once(self, key: str, msg: str, *args, level=logging.WARNING) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.log(level, msg, *args)
+
+    def _fallback(self, op: str, reason: str) -> None:
+        self.fallbacks[(op, reason)] += 1
+        self._warn_once(f"{op}:{reason}", "cuda backend: %s uses the torch reference: %s", op, reason)
+
+    def _guarded(self, op: str, fast, slow):
+        """Run `fast()`; if it raises (e.g. a Triton compile error on this GPU/Triton), log it, mark the op
+        broken for the process and run `slow()` (the reference) — now and on every later call. Out-of-memory
+        is re-raised (not a kernel defect)."""
+        if op in self.broken:
+            self._fallback(op, f"kernel failed earlier: {self.broken[op]}")
+            return slow()
+        try:
+            return fast()
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:                                      # noqa: BLE001
+            self.broken[op] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            logger.exception("cuda backend: %s kernel failed; using the torch reference from now on", op)
+            self._fallback(op, f"kernel failed: {self.broken[op]}")
+            return slow()
+
+    def capability(self, device: torch.device) -> tuple[int, int]:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._sm:
+            self._sm[idx] = torch.cuda.get_device_capability(idx)
+        return self._sm[idx]
+
+    def _gpu_reason(self, t: torch.Tensor, min_sm: int, need_triton: bool) -> str | None:
+        """Why this tensor cannot take the fast path (None = it can)."""
+        if t.device.type != "cuda" or getattr(torch.version, "hip", None):
+            return f"tensor on {t.device.type} (needs an NVIDIA GPU)"
+        sm = self.capability(t.device)
+        if sm[0] * 10 + sm[1] < min_sm:
+            return f"sm_{sm[0]}{sm[1]} < sm_{min_sm}"
+        if need_triton and self.tk is None:
+            return self.triton_error
+        return None
+
+    # ---- dynamic 1x128 activation quant -----------------------------------------------------------
+    def _act_quant(self, x2: torch.Tensor, m_out: int, k_out: int, ue8m0: bool, col_major: bool):
+        if self.tk is not None:
+            return self.tk.act_quant_fp8(x2, m_out=m_out, k_out=k_out, ue8m0=ue8m0, col_major_scale=col_major)
+        m, k = x2.shape                                              # torch ops (no host sync either)
+        xp = F.pad(x2, (0, k_out - k, 0, m_out - m)) if (m_out, k_out) != (m, k) else x2
+        q, s = per_token_group_quant_fp8(xp, 128, ue8m0=ue8m0)
+        return q, (s.t().contiguous().t() if col_major else s)
+
+    # ---- dense block-FP8 --------------------------------------------------------------------------
+    def _fp8_linear_reason(self, w: torch.Tensor, block) -> str | None:
+        if tuple(block) != BLOCK:
+            return f"block {tuple(block)} != (128, 128)"
+        if w.dtype != FP8_DTYPE:
+            return f"weight dtype {w.dtype} (needs float8_e4m3fn)"
+        return self._gpu_reason(w, 90, need_triton=self.fp8_gemm == "triton")
+
+    def block_fp8_linear_prepare(self, w: torch.Tensor, scale_inv: torch.Tensor, block=BLOCK):
+        if self._fp8_linear_reason(w, block) is not None or self.fp8_gemm == "triton":
+            return w, scale_inv, {}
+        wv, sv, meta = L.prepare_scaled_mm_weight(w, scale_inv)
+        wp, sp, _ = L.scaled_mm_operands(wv, sv, **meta)
+        self._scaled_mm_ok(wp, sp)
+        return wv, sv, meta
+
+    def _scaled_mm(self, xq, xs, wp, sp):
+        return torch._scaled_mm(xq, wp.t(), scale_a=xs, scale_b=sp.t(), out_dtype=torch.bfloat16)
+
+    def _scaled_mm_ok(self, wp: torch.Tensor, sp: torch.Tensor) -> bool:
+        """Self-check of `_scaled_mm` at this (Np, Kp) on 128 rows of the real weight vs the reference
+        (once per shape; a host sync, so never while a CUDA graph is being captured)."""
+        key = (wp.shape[1], wp.device.index)
+        if key in self._selfcheck:
+            return self._selfcheck[key]
+        if torch.cuda.is_current_stream_capturing():
+            return True
+        g = torch.Generator(device=wp.device).manual_seed(1234)
+        x = torch.randn(8, wp.shape[1], generator=g, device=wp.device, dtype=torch.bfloat16)
+        w1, s1 = wp[:128], sp[:1]
+        try:
+            xq, xs = self._act_quant(x, 8, wp.shape[1], False, True)
+            y = self._scaled_mm(xq, xs, w1, s1).float()
+            err = None
+        except RuntimeError as e:
+            y, err = None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        if y is not None:
+            r = ref_block_fp8_linear(x, w1, s1, BLOCK, torch.float32)
+            rel = float((y - r).norm() / r.norm().clamp_min(1e-30))
+            if not rel < SCALED_MM_SELFCHECK_RTOL:
+                err = f"relative error {rel:.3g} vs the reference"
+        ok = err is None
+        self._selfcheck[key] = ok
+        if not ok:
+            logger.error("cuda backend: torch._scaled_mm blockwise failed its self-check at K=%d (%s); this shape "
+                         "uses the %s", wp.shape[1], err, "Triton block-FP8 GEMM" if self.tk else "torch reference")
+        return ok
+
+    def block_fp8_linear(self, x, w, scale_inv, block=BLOCK, out_dtype=None, *, mode: str = "w8a8",
+                         act_ue8m0: bool = False, bias=None, n_pad: int | None = None, k_pad: int | None = None,
+                         fp8_dtype=FP8_DTYPE, fp8_max=None, **kw):
+        reason = self._fp8_linear_reason(w, block)
+        if reason is None:
+            if isinstance(x, (tuple, list)):
+                reason = "pre-quantized (x_q, x_s) input"
+            elif mode != "w8a8":
+                reason = f"mode {mode!r}"
+            elif (out_dtype or x.dtype) not in HALF_DTYPES:
+                reason = f"output dtype {out_dtype or x.dtype} (fp32 outputs use the exact reference)"
+            elif fp8_dtype != FP8_DTYPE or fp8_max is not None:
+                reason = "non-default activation fp8 format"
+        if reason is not None:
+            self._fallback("block_fp8_linear", reason)
+            return ref_block_fp8_linear(x, w, scale_inv, block, out_dtype, mode=mode, act_ue8m0=act_ue8m0, bias=bias,
+                                        fp8_dtype=fp8_dtype, fp8_max=fp8_max, **kw)
+        return self._guarded(
+            "block_fp8_linear",
+            lambda: self._block_fp8_linear(x, w, scale_inv, out_dtype, act_ue8m0, bias, n_pad, k_pad),
+            lambda: ref_block_fp8_linear(x, w, scale_inv, block, out_dtype, act_ue8m0=act_ue8m0, bias=bias))
+
+    def _block_fp8_linear(self, x, w, scale_inv, out_dtype, act_ue8m0, bias, n_pad, k_pad):
+        odt = out_dtype or x.dtype
+        n, k = w.shape
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m = x2.shape[0]
+        if m == 0:
+            return x.new_empty(*lead, n, dtype=odt)
+        use_triton = self.fp8_gemm == "triton"
+        if not use_triton:
+            wp, sp, copied = L.scaled_mm_operands(w, scale_inv, n_pad, k_pad)
+            if copied:
+                self._warn_once(f"pad{n}x{k}", "cuda block_fp8_linear: weight [%d, %d] was not prepared by "
+                                "block_fp8_linear_prepare; padding it on every call", n, k)
+            if not self._scaled_mm_ok(wp, sp):
+                if self.tk is None:
+                    self._fallback("block_fp8_linear", f"_scaled_mm self-check failed at K={wp.shape[1]}")
+                    return ref_block_fp8_linear(x, w, scale_inv, BLOCK, out_dtype, act_ue8m0=act_ue8m0, bias=bias)
+                use_triton = True
+        if use_triton:
+            xq, xs = self._act_quant(x2, m, k, act_ue8m0, False)
+            y = self.tk.dense_gemm_triton(xq, w, w_mode="fp8", a_scale=xs, w_scale=scale_inv,
+                                          out_dtype=odt, n=n, k=k)
+        else:
+            mp = L.round_up(m, L.SCALED_MM_M_ALIGN)
+            xq, xs = self._act_quant(x2, mp, wp.shape[1], act_ue8m0, True)   # [Mp, Kp], [Mp, Kp/128] col-major
+            y = self._scaled_mm(xq, xs, wp, sp)[:m, :n]
+            if wp.shape[0] != n:
+                y = y.contiguous()
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.to(odt).reshape(*lead, n)
+
+    # ---- fused MoE --------------------------------------------------------------------------------
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, *, swiglu_limit=None, intermediate_pad: int = 0):
+        reason = self._gpu_reason(x, 80, need_triton=True)
+        if reason is None and (x.dtype not in HALF_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype):
+            reason = f"dtypes x {x.dtype} / w13 {w13.dtype} / w2 {w2.dtype} (bf16/fp16 kernel; fp32 is exact ref)"
+        if reason is not None:
+            self._fallback("fused_moe", reason)
+            return ref_fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit=swiglu_limit,
+                                 intermediate_pad=intermediate_pad)
+        return self._guarded(
+            "fused_moe",
+            lambda: self.tk.fused_moe_triton(x, w13.contiguous(), w2.contiguous(), topk_weights, topk_ids,
+                                             w_mode="bf16", intermediate_pad=intermediate_pad,
+                                             swiglu_limit=swiglu_limit),
+            lambda: ref_fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit=swiglu_limit,
+                                  intermediate_pad=intermediate_pad))
+
+    def _moe_x(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.dtype in HALF_DTYPES else x.to(torch.bfloat16)
+
+    def fused_moe_block_fp8(self, x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, *, block=BLOCK,
+                            act_ue8m0: bool = False, swiglu_limit=None, gate_mode: str = "separated",
+                            hidden_pad: int = 0, intermediate_pad: int = 0, **meta):
+        ref._check_contract(gate_mode, x, w13, w2, hidden_pad)
+        reason = self._gpu_reason(x, 90, need_triton=True)
+        if reason is None and tuple(block) != BLOCK:
+            reason = f"block {tuple(block)} != (128, 128)"
+        if reason is None and w13.dtype != FP8_DTYPE:
+            reason = f"weight dtype {w13.dtype}"
+        def slow():
+            return ref.fused_moe_block_fp8(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids,
+                                           block=block, act_ue8m0=act_ue8m0, swiglu_limit=swiglu_limit,
+                                           gate_mode=gate_mode, hidden_pad=hidden_pad,
+                                           intermediate_pad=intermediate_pad)
+        if reason is not None:
+            self._fallback("fused_moe_block_fp8", reason)
+            return slow()
+        return self._guarded("fused_moe_block_fp8", lambda: self.tk.fused_moe_triton(
+            self._moe_x(x), w13.contiguous(), w2.contiguous(), topk_weights, topk_ids, w_mode="fp8",
+            w13_scale=w13_scale_inv.float().contiguous(), w2_scale=w2_scale_inv.float().contiguous(),
+            hidden_pad=hidden_pad, intermediate_pad=intermediate_pad, swiglu_limit=swiglu_limit,
+            act_ue8m0=act_ue8m0).to(x.dtype), slow)
+
+    def fused_moe_mxfp4(self, x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, *, act_mode="even",
+                        swiglu_limit=None, gate_mode: str = "separated", hidden_pad: int = 0,
+                        intermediate_pad: int = 0, **meta):
+        ref._check_contract(gate_mode, x, w13, w2, hidden_pad, packed=2)
+        reason = self._gpu_reason(x, 80, need_triton=True)
+        mode = None
+        if reason is None and act_mode is not None:
+            try:
+                mode = canonical_scale_mode(act_mode)
+            except ValueError as e:
+                reason = str(e)
+        if reason is None and (x.shape[-1] % 32 or (w13.shape[1] // 2 - intermediate_pad) % 32):
+            reason = "hidden / intermediate sizes not multiples of 32"
+        def slow():
+            return ref.fused_moe_mxfp4(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, act_mode=act_mode,
+                                       swiglu_limit=swiglu_limit, gate_mode=gate_mode, hidden_pad=hidden_pad,
+                                       intermediate_pad=intermediate_pad)
+        if reason is not None:
+            self._fallback("fused_moe_mxfp4", reason)
+            return slow()
+        return self._guarded("fused_moe_mxfp4", lambda: self.tk.fused_moe_triton(
+            self._moe_x(x), w13.view(torch.uint8).contiguous(), w2.view(torch.uint8).contiguous(), topk_weights,
+            topk_ids, w_mode="mxfp4", w13_scale=w13_scale.view(torch.uint8).contiguous(),
+            w2_scale=w2_scale.view(torch.uint8).contiguous(), hidden_pad=hidden_pad, intermediate_pad=intermediate_pad,
+            swiglu_limit=swiglu_limit, mx_act_mode=mode).to(x.dtype), slow)
+
+    # ---- dense MXFP4 ------------------------------------------------------------------------------
+    def mxfp4_linear(self, x, w, w_scale, *, act_mode="even", out_dtype=None):
+        k = x.shape[-1]
+        reason = self._gpu_reason(x, 80, need_triton=True)
+        mode = None
+        if reason is None and k % 32:
+            reason = f"K={k} not a multiple of 32"
+        if reason is None and act_mode is not None:
+            try:
+                mode = canonical_scale_mode(act_mode)
+            except ValueError as e:
+                reason = str(e)
+        if reason is not None:
+            self._fallback("mxfp4_linear", reason)
+            return ref.mxfp4_linear(x, w, w_scale, act_mode=act_mode, out_dtype=out_dtype)
+        def fast():
+            lead = x.shape[:-1]
+            x2 = x.reshape(-1, k)
+            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+            a = (self.tk.mx_qdq_rows(x2, mode, torch.bfloat16) if mode is not None
+                 else x2.to(torch.bfloat16).contiguous())
+            y = self.tk.dense_gemm_triton(a, w.view(torch.uint8), w_mode="mxfp4", w_scale=w_scale.view(torch.uint8),
+                                          out_dtype=out_dtype or x.dtype, n=w.shape[0], k=k)
+            return y.reshape(*lead, w.shape[0])
+        return self._guarded("mxfp4_linear", fast,
+                             lambda: ref.mxfp4_linear(x, w, w_scale, act_mode=act_mode, out_dtype=out_dtype))
+
+
+def make_ops(fp8_gemm: str | None = None):
+    """KernelOps for the cuda backend (moe_quant_layout / moe_quant_prepare are inherited from torch)."""
+    from glm_ray.kernels import KernelOps
+    k = CudaKernels(fp8_gemm)
+    return KernelOps(name="cuda", block_fp8_linear=k.block_fp8_linear, fused_moe=k.fused_moe,
+                     block_fp8_linear_prepare=k.block_fp8_linear_prepare, fused_moe_block_fp8=k.fused_moe_block_fp8,
+                     fused_moe_mxfp4=k.fused_moe_mxfp4, mxfp4_linear=k.mxfp4_linear)

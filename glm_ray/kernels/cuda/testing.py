@@ -1,0 +1,89 @@
+"""Case builders shared by the cuda-backend tests (CPU interpreter + GPU) and scripts/bench_kernels.py:
+checkpoint-format expert weights (per-half block-FP8 scales, packed MXFP4) with the padding layout of
+quant_contracts.md §4.6, routings, and the error metric. Pure torch; no Triton.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from glm_ray.kernels.torch_ref.fp8 import quant_weight_block
+from glm_ray.kernels.torch_ref.mxfp4 import quant_mxfp4
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp32 (the tests' tolerance metric)."""
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def routing(t: int, e: int, k: int, *, seed: int = 0, device="cpu", skew: float = 0.0):
+    """Random top-k routing without repeats: (weights fp32 [T, K] summing to 1, ids int64 [T, K]).
+    `skew` > 0 concentrates tokens on low expert ids (hot experts)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.rand(t, e, generator=g) - skew * torch.arange(e, dtype=torch.float32) / e
+    ids = logits.topk(k, dim=-1).indices
+    w = torch.rand(t, k, generator=g) + 0.1
+    return (w / w.sum(-1, keepdim=True)).to(device), ids.to(device)
+
+
+@dataclass
+class MoECase:
+    x: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    s13: torch.Tensor | None
+    s2: torch.Tensor | None
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    hidden_pad: int
+    intermediate_pad: int
+
+
+def _pad_halves(w13: torch.Tensor, inter: int, ipad: int, hpad: int) -> torch.Tensor:
+    """[E, 2I, D] -> [E, 2(I+ipad), D+hpad]: [gate ; 0 ; up ; 0] rows, zero columns appended."""
+    g, u = w13[:, :inter], w13[:, inter:]
+    g, u = F.pad(g, (0, hpad, 0, ipad)), F.pad(u, (0, hpad, 0, ipad))
+    return torch.cat([g, u], 1)
+
+
+def moe_case(t: int, d: int, inter: int, e: int, k: int, fmt: str, *, device="cpu", dtype=torch.bfloat16,
+             hidden_pad: int = 0, intermediate_pad: int = 0, gate_scale: float = 1.0, seed: int = 0,
+             x_scale: float = 1.0) -> MoECase:
+    """Routed-expert operands in the runtime layout of `fmt` ("bf16" | "fp8" | "mxfp4").
+    Weights ~ N(0, 1/fan_in) (gate rows times `gate_scale`, to drive |gate| past a swiglu_limit)."""
+    g = torch.Generator(device=device).manual_seed(seed)                        # built on `device` (GPU: fast)
+    w13 = torch.randn(e, 2 * inter, d, generator=g, device=device) * d ** -0.5
+    w13[:, :inter] *= gate_scale
+    w2 = torch.randn(e, d, inter, generator=g, device=device) * inter ** -0.5
+    x = (torch.randn(t, d, generator=g, device=device) * x_scale).to(dtype)
+    tw, ids = routing(t, e, k, seed=seed + 1, device=device)
+    w13p = _pad_halves(w13, inter, intermediate_pad, hidden_pad)                 # [E, 2I', D']
+    w2p = F.pad(w2, (0, intermediate_pad, 0, hidden_pad))                       # [E, D', I']
+    s13 = s2 = None
+    if fmt == "bf16":
+        w13r, w2r = w13p.to(dtype), w2p.to(dtype)
+    elif fmt == "fp8":
+        half = inter + intermediate_pad
+        qg, sg = quant_weight_block(w13p[:, :half])
+        qu, su = quant_weight_block(w13p[:, half:])
+        w13r, s13 = torch.cat([qg, qu], 1), torch.cat([sg, su], 1)
+        w2r, s2 = quant_weight_block(w2p)
+    elif fmt == "mxfp4":
+        w13r, s13 = quant_mxfp4(w13p, "even")
+        w2r, s2 = quant_mxfp4(w2p, "even")
+    else:
+        raise ValueError(fmt)
+    del w13, w2, w13p, w2p
+    return MoECase(x, w13r, w2r, s13, s2, tw, ids, hidden_pad, intermediate_pad)
+
+
+def dense_fp8_case(m: int, n: int, k: int, *, device="cpu", dtype=torch.bfloat16, seed: int = 0):
+    """(x [M, K] dtype, w e4m3 [N, K], scale_inv fp32 [ceil(N/128), ceil(K/128)])."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(n, k, generator=g, device=device) * k ** -0.5
+    wq, ws = quant_weight_block(w)
+    x = torch.randn(m, k, generator=g, device=device).to(dtype)
+    return x, wq, ws
