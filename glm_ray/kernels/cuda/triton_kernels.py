@@ -62,11 +62,14 @@ def _round_to_e4m3_grid(q):
     """RNE of fp32 q (|q| <= 448) onto the e4m3fn grid, in fp32 arithmetic (magic-number add: fp32
     addition rounds to nearest even). Used under the interpreter only, whose fp32->fp8 cast rounds
     half-up and drops the carry into the exponent (triton 3.6 `_convert_float`)."""
-    e = ((tl.abs(q).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    a = tl.abs(q)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     e = tl.maximum(e, -6)                                              # e4m3fn subnormal step 2**-9
     step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
     c = step * 12582912.0                                              # 1.5 * 2**23 * step
-    return (q + c) - c
+    r = (a + c) - c
+    sign = q.to(tl.int32, bitcast=True) & -2147483648                  # copy q's sign bit (keeps -0)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

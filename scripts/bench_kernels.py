@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Microbenchmark of the `cuda` backend's kernels on one NVIDIA GPU (H200 ceilings by default).
+
+Dense projections (glm5-slice-6l q_b_proj 16384x2048 and o_proj 6144x16384) at M = 256..16384:
+  bf16      F.linear(x, W) in bf16
+  fp8       the backend's block_fp8_linear: 1x128 activation quant (Triton) + torch._scaled_mm blockwise
+  fp8_gemm  torch._scaled_mm alone on pre-quantized operands (the GEMM's share)
+  fp8_triton  the Triton block-FP8 GEMM (GLM_RAY_CUDA_FP8_GEMM=triton) at a few M
+Fused MoE (glm5-flash-31b experts: 64 x (2048 <-> 1536), top-4) at a few token counts: bf16 / fp8 / mxfp4.
+
+Printed per row: time (us, median of triton.testing.do_bench with an L2 flush between runs),
+achieved TFLOP/s and TB/s, and their ratio to the measured H200 ceilings (perf_anchors.md §3.1:
+4.2 TB/s copy, ~790 TFLOP/s bf16 GEMM, ~1.2 PFLOP/s blockwise FP8). Bytes are the op's compulsory
+traffic: weights once (MoE: only the experts the routing touches) + activations in + outputs out.
+Writes every row as JSON to --out.
+
+  PYTHONPATH=$PWD python3 scripts/bench_kernels.py --out /tmp/kernels.json [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+DEV = "cuda"
+CEIL = {"tbps": 4.2, "bf16_tflops": 790.0, "fp8_tflops": 1200.0}
+DENSE = [("slice.q_b_proj", 16384, 2048), ("slice.o_proj", 6144, 16384)]
+MS = [256, 512, 1024, 2048, 4096, 8192, 16384]
+MOE_GEO = dict(d=2048, i=1536, e=64, k=4)           # glm5-flash-31b routed experts
+MOE_TS = [1, 2048, 8192]                            # tile configs shared with the GPU tests
+
+
+def bench_ms(fn) -> float:
+    try:
+        from triton.testing import do_bench
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    except ImportError:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        n = 20
+        s.record()
+        for _ in range(n):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        return s.elapsed_time(e) / n
+
+
+def row(kind, name, variant, m, ms, flops, nbytes, peak_tflops, **extra):
+    t = ms * 1e-3
+    r = {"kind": kind, "shape": name, "variant": variant, "m": m, "us": round(ms * 1e3, 2),
+         "tflops": round(flops / t / 1e12, 1), "tbps": round(nbytes / t / 1e12, 3),
+         "frac_flops_ceiling": round(flops / t / 1e12 / peak_tflops, 3),
+         "frac_bw_ceiling": round(nbytes / t / 1e12 / CEIL["tbps"], 3), **extra}
+    print(f"{kind:5s} {name:16s} {variant:10s} M={m:6d} {r['us']:9.1f} us {r['tflops']:7.1f} TF/s "
+          f"({r['frac_flops_ceiling']:.0%}) {r['tbps']:6.3f} TB/s ({r['frac_bw_ceiling']:.0%})", flush=True)
+    return r
+
+
+def bench_dense(ck, ms, rows, triton_ms):
+    from glm_ray.kernels.cuda.layout import scaled_mm_operands
+    from glm_ray.kernels.cuda.testing import dense_fp8_case
+    for name, n, k in DENSE:
+        _, w, s = dense_fp8_case(1, n, k, device=DEV)
+        wb = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * k ** -0.5
+        wv, sv, meta = ck.block_fp8_linear_prepare(w, s, (128, 128))
+        wp, sp, _ = scaled_mm_operands(wv, sv, **meta)
+        for m in ms:
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            fl = 2.0 * m * n * k
+            rows.append(row("dense", name, "bf16", m, bench_ms(lambda: F.linear(x, wb)), fl,
+                            2 * n * k + 2 * m * k + 2 * m * n, CEIL["bf16_tflops"]))
+            rows.append(row("dense", name, "fp8", m, bench_ms(lambda: ck.block_fp8_linear(x, wv, sv, **meta)), fl,
+                            n * k + 2 * m * k + 2 * m * n, CEIL["fp8_tflops"]))
+            xq, xs = ck.tk.act_quant_fp8(x, m_out=m, k_out=wp.shape[1], col_major_scale=True)
+            rows.append(row("dense", name, "fp8_gemm", m, bench_ms(lambda: ck._scaled_mm(xq, xs, wp, sp)), fl,
+                            n * k + m * k + 2 * m * n, CEIL["fp8_tflops"]))
+            if m in triton_ms:
+                xq2, xs2 = ck.tk.act_quant_fp8(x)
+                rows.append(row("dense", name, "fp8_triton", m, bench_ms(
+                    lambda: ck.tk.dense_gemm_triton(xq2, w, w_mode="fp8", a_scale=xs2, w_scale=s)), fl,
+                    n * k + m * k + 2 * m * n, CEIL["fp8_tflops"]))
+            del x
+
+
+def bench_moe(ck, ts, rows, fmts):
+    from glm_ray.kernels.cuda.testing import moe_case
+    g = MOE_GEO
+    per_expert = 3 * g["i"] * g["d"]                                  # w13 (2I x D) + w2 (D x I) elements
+    for fmt in fmts:
+        c = moe_case(max(ts), g["d"], g["i"], g["e"], g["k"], fmt, device=DEV)
+        wbytes = {"bf16": 2.0, "fp8": 1.0 + 4 / 16384, "mxfp4": 0.5 + 1 / 32}[fmt]
+        peak = CEIL["fp8_tflops"] if fmt == "fp8" else CEIL["bf16_tflops"]
+        for t in ts:
+            x, tw, ids = c.x[:t], c.topk_weights[:t], c.topk_ids[:t]
+            if fmt == "bf16":
+                fn = lambda: ck.fused_moe(x, c.w13, c.w2, tw, ids)              # noqa: E731
+            elif fmt == "fp8":
+                fn = lambda: ck.fused_moe_block_fp8(x, c.w13, c.s13, c.w2, c.s2, tw, ids)   # noqa: E731
+            else:
+                fn = lambda: ck.fused_moe_mxfp4(x, c.w13, c.s13, c.w2, c.s2, tw, ids, act_mode="even")  # noqa: E731
+            fn()
+            touched = int(torch.unique(ids).numel())
+            fl = 2.0 * t * g["k"] * per_expert
+            nbytes = touched * per_expert * wbytes + 2 * 2 * t * g["d"]
+            rows.append(row("moe", f"E{g['e']}k{g['k']}", fmt, t, bench_ms(fn), fl, nbytes, peak,
+                            experts_touched=touched))
+        del c
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON output path")
+    ap.add_argument("--quick", action="store_true", help="fewer points (M 256/2048/16384, MoE T 1/2048)")
+    ap.add_argument("--no-moe", action="store_true")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels: no CUDA device", file=sys.stderr)
+        return 2
+    from glm_ray.kernels.cuda import CudaKernels
+    ck = CudaKernels("scaled_mm")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ms = [256, 2048, 16384] if a.quick else MS
+    ts = [1, 2048] if a.quick else MOE_TS
+    info = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+            "torch": torch.__version__, "python": platform.python_version(), "ceilings": CEIL}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    print(json.dumps(info), flush=True)
+    rows: list[dict] = []
+    t0 = time.time()
+    bench_dense(ck, ms, rows, triton_ms={256, 4096} if ck.tk is not None else set())
+    if not a.no_moe and ck.tk is not None:
+        bench_moe(ck, ts, rows, ["bf16", "fp8", "mxfp4"])
+    info["fallbacks"] = {f"{k[0]}: {k[1]}": v for k, v in ck.fallbacks.items()}
+    info["selfcheck"] = {str(k): v for k, v in ck._selfcheck.items()}
+    info["wall_s"] = round(time.time() - t0, 1)
+    with open(a.out, "w") as f:
+        json.dump({"info": info, "rows": rows}, f, indent=1)
+    print(f"wrote {len(rows)} rows to {a.out} in {info['wall_s']} s; fallbacks: {info['fallbacks'] or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
