@@ -50,7 +50,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--json", default=None)
+    p.add_argument("--time-collectives", action="store_true",
+                   help="time TP all-reduce/all-gather on rank 0 (adds a sync per step on GPUs)")
     a = p.parse_args(argv)
+    if a.time_collectives:
+        os.environ["GLM_RAY_TIME_COLLECTIVES"] = "1"       # inherited by the worker actors
     import ray
     if not ray.is_initialized():
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -66,7 +70,8 @@ def main(argv=None) -> int:
             r = rows[-1]
             print(f"tp={r['tp']} {r['mode']:>15} batch={r['batch']}: step {r.get('step_ms', 0):8.3f} ms  "
                   f"orchestration {r.get('orchestration_ms', 0):7.3f} ms ({100 * r.get('orchestration_share', 0):5.1f}%)  "
-                  f"forward {r.get('forward_ms', 0):8.3f} ms  sched+update {r.get('schedule_update_ms', 0):6.3f} ms",
+                  f"forward {r.get('forward_ms', 0):8.3f} ms  sched+update {r.get('schedule_update_ms', 0):6.3f} ms  "
+                  f"collectives {r.get('collectives_ms', 0):7.3f} ms ({100 * r.get('collectives_share', 0):5.1f}%)",
                   flush=True)
     if a.json:
         with open(a.json, "a") as f:

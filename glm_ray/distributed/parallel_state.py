@@ -7,6 +7,7 @@ collectives are identities. Collectives go over torch.distributed (NCCL on CUDA,
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,51 @@ class TPState:
 
 
 _TP = TPState()
+
+
+class CollectiveTimer:
+    """Opt-in timing of the TP collectives of one step (measurement runs only: on CUDA it records
+    events and reads them after the step's own host sync)."""
+
+    def __init__(self, device_type: str):
+        self.cuda = device_type == "cuda"
+        self._spans: list = []
+
+    def start(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, t0) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._spans.append((t0, ev))
+        else:
+            self._spans.append(time.perf_counter() - t0)
+
+    def collect(self) -> float:
+        """Seconds spent in collectives since the last call."""
+        spans, self._spans = self._spans, []
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(a.elapsed_time(b) for a, b in spans) / 1e3
+        return float(sum(spans))
+
+
+_TIMER: CollectiveTimer | None = None
+
+
+def enable_collective_timing(device_type: str) -> CollectiveTimer:
+    global _TIMER
+    _TIMER = CollectiveTimer(device_type)
+    return _TIMER
+
+
+def collective_timer() -> CollectiveTimer | None:
+    return _TIMER
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device_type: str) -> TPState:
@@ -57,7 +103,12 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over TP ranks, in place when possible."""
     if _TP.size == 1:
         return x
+    if _TIMER is None:
+        dist.all_reduce(x)
+        return x
+    t0 = _TIMER.start()
     dist.all_reduce(x)
+    _TIMER.stop(t0)
     return x
 
 
@@ -66,5 +117,8 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _TP.size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_TP.size)]
+    t0 = _TIMER.start() if _TIMER is not None else None
     dist.all_gather(parts, x.contiguous())
+    if _TIMER is not None:
+        _TIMER.stop(t0)
     return torch.cat(parts, dim=dim)

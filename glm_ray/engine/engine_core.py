@@ -58,6 +58,8 @@ def summarize_steps(steps, decode_only: bool = True) -> dict:
             "orchestration_share": orch / step if step else 0.0,
             "schedule_update_ms": med(lambda s: s.schedule_s + s.update_s) * 1e3,
             "forward_ms": med(lambda s: s.worker_timings.get("forward", 0.0)) * 1e3,
+            "collectives_ms": med(lambda s: s.worker_timings.get("collectives", 0.0)) * 1e3,
+            "collectives_share": med(lambda s: s.worker_timings.get("collectives", 0.0) / s.step_s if s.step_s else 0.0),
             "batch": med(lambda s: s.num_decode_seqs)}
 
 

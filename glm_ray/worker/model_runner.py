@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from glm_ray.config import EngineConfig, ModelConfig
-from glm_ray.distributed.parallel_state import tp_rank, tp_size
+from glm_ray.distributed.parallel_state import collective_timer, tp_rank, tp_size
 from glm_ray.engine.kv_cache import kv_bytes_per_token
 from glm_ray.engine.outputs import LogprobDict
 from glm_ray.engine.sampling_params import SamplingParams
@@ -114,6 +114,9 @@ class ModelRunner:
                     out.logprobs[s.req_id] = to_logprob_dict(tok, lps[0][i], *lps[1][i], n)
         t3 = time.perf_counter()
         out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2}
+        timer = collective_timer()
+        if timer is not None:
+            out.timings["collectives"] = timer.collect()     # inside "forward" (and the lm_head gather)
         return out
 
     def _prompt_logprobs(self, seqs, hidden, ends) -> dict[str, list[LogprobDict]]:

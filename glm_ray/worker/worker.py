@@ -43,6 +43,9 @@ class Worker:
         else:
             self.device = torch.device("cpu")
         init_tensor_parallel(self.rank, self.tp, self.init_method or "", self.device.type)
+        if os.environ.get("GLM_RAY_TIME_COLLECTIVES") == "1":      # measurement runs only
+            from glm_ray.distributed.parallel_state import enable_collective_timing
+            enable_collective_timing(self.device.type)
         kernels.init_backend(self.cfg.kernel_backend, self.device.type)
         torch.manual_seed(self.cfg.seed)
 

@@ -94,7 +94,8 @@ class RayWorkerGroup:
             self._own_pg = placement = placement_group([bundle] * tp, strategy="STRICT_PACK")
             ray.get(placement.ready(), timeout=600)
             first_bundle = 0
-        env = {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TOKENIZERS_PARALLELISM": "false",
+               **{k: v for k, v in os.environ.items() if k.startswith("GLM_RAY_")}}   # our knobs reach every rank
         if not gpu:
             env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
         opts = dict(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1, runtime_env={"env_vars": env})
