@@ -76,8 +76,8 @@ def test_rolling_update_drains_in_flight_stream(serve_cluster):
 
     def stream(i):
         # NOTE: "small" runs one request at a time: the second waits in the old replica's queue, so
-        # the update has to drain both a running and a queued request (~2 x 22 s of decoding on 2 CPU cores; the new version is live after ~22 s).
-        body = {"model": app.model, "prompt": [11, 12, 13 + i], "max_tokens": 700, "ignore_eos": True,
+        # the update has to drain both a running and a queued request (2 x 1500 tokens: >= 36 s at 12 ms/token; the new version is live after ~22 s).
+        body = {"model": app.model, "prompt": [11, 12, 13 + i], "max_tokens": 1500, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         n_chunks, usage = 0, None
         with requests.post(app.base_url + "/v1/completions", json=body, stream=True, timeout=600) as r:
@@ -111,6 +111,6 @@ def test_rolling_update_drains_in_flight_stream(serve_cluster):
     for t in threads:
         t.join(600)
     for r in results.values():
-        assert r["status"] == 200 and r["usage"]["completion_tokens"] == 700, results
+        assert r["status"] == 200 and r["usage"]["completion_tokens"] == 1500, results
     assert switched_while_streaming, f"the streams ended before the update (switch at {t_switch:.0f}s, {results})"
     print(f"new version live at {t_switch:.0f}s; streams ended at {[round(r['end']) for r in results.values()]}s")
