@@ -2,17 +2,9 @@
 # The H200 run for the Serve issue: engine on GPU, orchestration overhead (TP 1/2), the served app
 # answering (TP 1 and 2), a short serving benchmark. Results under $OUT. Needs Ray on PYTHONPATH.
 set -uo pipefail
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH RAY_AUTH_MODE=disabled \
-       NCCL_NVLS_ENABLE=0 GLM_RAY_CACHE=/tmp/glmcache TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+source "$(dirname "$0")/device_common.sh"
 NGPU=$(nvidia-smi -L | wc -l)
 nvidia-smi -L | tee $OUT/gpus.txt
-python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee $OUT/versions.txt
-python3 - <<'PY' 2>&1 | tail -3
-from glm_ray.model.tiny import write_tiny, bundled_config
-c = bundled_config(); c["index_n_heads"] = 16
-write_tiny("/tmp/tiny16", c); print("tiny16 written")
-PY
 # 1. engine correctness on GPU (pytest if present, else the same checks inline)
 if python3 -c "import pytest" 2>/dev/null; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -5 | tee $OUT/gpu_tests.txt

@@ -16,11 +16,9 @@ from glm_ray.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerC
 from glm_ray.engine.engine_core import EngineCore
 from glm_ray.engine.outputs import CompletionOutput, RequestOutput
 from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.engine.tokenizer import load_tokenizer  # re-exported: callers import it from here
 
 logger = logging.getLogger(__name__)
-
-
-from glm_ray.engine.tokenizer import load_tokenizer  # noqa: E402  (re-exported)
 
 
 def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str = "auto", device: str = "auto",
