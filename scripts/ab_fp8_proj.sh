@@ -5,21 +5,27 @@
 # ../shared/device/ray-on-device.md). Results: $OUT/<model>_tp<TP>_fp8{off,on}.jsonl + the delta table.
 #   MODEL=glm5-slice-6l TP=1 bash scripts/ab_fp8_proj.sh        # issue 5 (one H200)
 #   MODEL=glm5-flash-31b TP=4 bash scripts/ab_fp8_proj.sh       # issue 9 (nvidia-h200-x4)
+# FLAGS="off" / FLAGS="on" runs one half (to split the A/B over two device calls); the compare table is
+# written once both result files exist. DEVICE=cpu DTYPE=float32 MODEL=glm5-tiny checks the script here.
 set -uo pipefail
 MODEL=${MODEL:-glm5-slice-6l}; TP=${TP:-1}; IN=${IN:-1024}; OUT_LEN=${OUT_LEN:-1024}; REPS=${REPS:-3}
-CONC=${CONC:-"4 8 16 32 64"}; OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+CONC=${CONC:-"4 8 16 32 64"}; FLAGS=${FLAGS:-"off on"}; DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}
+MAX_SEQS=${MAX_SEQS:-64}; OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 export RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
-for FLAG in off on; do
+for FLAG in $FLAGS; do
   EXTRA=""; [ $FLAG = on ] && EXTRA="--fp8-proj-gemm"
   LOG=$OUT/serve_${MODEL}_tp${TP}_fp8$FLAG.log
-  python3 -m glm_ray.cli serve $MODEL --load-format dummy --device cuda --dtype bfloat16 --tp $TP \
-      --max-num-seqs 64 --max-num-batched-tokens 8192 --port 8000 $EXTRA > $LOG 2>&1 &
+  python3 -m glm_ray.cli serve $MODEL --load-format dummy --device $DEVICE --dtype $DTYPE --tp $TP \
+      --max-num-seqs $MAX_SEQS --max-num-batched-tokens 8192 --port 8000 $EXTRA > $LOG 2>&1 &
   for i in $(seq 1 300); do curl -sf 127.0.0.1:8000/v1/models >/dev/null && break; grep -q Traceback $LOG && break; sleep 2; done
-  grep -E "fp8_proj_gemm|orchestration" $LOG | tail -2
+  if ! curl -sf 127.0.0.1:8000/v1/models >/dev/null; then echo "server did not come up:"; tail -30 $LOG; exit 1; fi
+  grep -E "fp8_proj_gemm|orchestration|KV cache" $LOG | tail -3
   python3 -m glm_ray.bench.cli --base-url http://127.0.0.1:8000 --input-len $IN --output-len $OUT_LEN \
-      --concurrency $CONC --repetitions $REPS --label fp8_proj=$FLAG \
+      --concurrency $CONC --repetitions $REPS --label fp8_proj=$FLAG --no-plot --no-progress \
       --result-file $OUT/${MODEL}_tp${TP}_fp8$FLAG.jsonl 2>&1 | tail -12
   pkill -f "glm_ray.cli serve"; sleep 5; ray stop --force >/dev/null 2>&1; sleep 3
 done
+A=$OUT/${MODEL}_tp${TP}_fp8off.jsonl; B=$OUT/${MODEL}_tp${TP}_fp8on.jsonl
+[ -s $A ] && [ -s $B ] || exit 0
 python3 -m glm_ray.bench.cli --compare $OUT/${MODEL}_tp${TP}_fp8off.jsonl $OUT/${MODEL}_tp${TP}_fp8on.jsonl \
     | tee $OUT/${MODEL}_tp${TP}_compare.txt
