@@ -3,8 +3,9 @@
 Keys `ki = LayerNorm(wk(x))` are cached per token (its own cache, one per *full* layer).
 Score I[s,t] = sum_h w[s,h] * relu(qi[s,h] . ki[t] / sqrt(di)), w = weights_proj(x) / sqrt(Hi) (fp32).
 RoPE is applied to the first `qk_rope_head_dim` dims (rope FIRST here; MLA puts rope last).
-Returns a boolean mask [B, Qmax, Kmax] (selected AND causal), or None while every context fits in
-`index_topk` (then selection = dense causal, and the scoring is skipped).
+`write_keys` caches every new token's key; `select` returns, per attention group, a boolean mask
+[B, Qmax, Kmax] (selected AND causal), or None while the group's contexts fit in `index_topk` (then
+selection = dense causal, and the scoring is skipped).
 """
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from glm_ray.config import ModelConfig
 from glm_ray.layers.linear import ReplicatedLinear
 from glm_ray.layers.norm import LayerNorm
 from glm_ray.layers.rotary import apply_rope
-from glm_ray.model.forward_batch import ForwardBatch
+from glm_ray.model.forward_batch import AttnGroup, ForwardBatch
+
+
+_SCORE_BYTES = 256 * 2**20
 
 
 class Indexer(nn.Module):
@@ -39,21 +43,36 @@ class Indexer(nn.Module):
         r = self.rope_dim
         return torch.cat([apply_rope(x[..., :r], cos, sin, self.interleave), x[..., r:]], dim=-1)
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch, cos, sin,
-                key_cache: torch.Tensor) -> torch.Tensor | None:
-        T = x.shape[0]
+    def write_keys(self, x: torch.Tensor, batch: ForwardBatch, cos, sin, key_cache: torch.Tensor) -> None:
+        """Cache the new tokens' index keys (every token of the step, once per layer)."""
         ki = self._rope(self.k_norm(self.wk(x)), cos, sin)                       # [T, di]
         key_cache.index_copy_(0, batch.slot_mapping, ki.to(key_cache.dtype))
-        if batch.max_context_len <= self.topk:
+
+    def select(self, x: torch.Tensor, q_resid: torch.Tensor, group: AttnGroup, cos, sin,
+               key_cache: torch.Tensor) -> torch.Tensor | None:
+        """Top-k selection mask [B, Qmax, Kmax] of one attention group, or None when its contexts fit."""
+        if group.max_context_len <= self.topk:
             return None
+        T = x.shape[0]
+        # NOTE: scores every row of T; with two groups needing selection that is done twice (small:
+        # wq_b + weights_proj), the [B, Qmax, Hi, Kmax] scoring below is per group only.
         qi = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin)   # [T, Hi, di]
         w = self.weights_proj(x.float()) * self.n_heads ** -0.5                 # [T, Hi] fp32
-        K = key_cache[batch.kv_slots].float()                                   # [B, Kmax, di]
-        Q = qi.float()[batch.q_index]                                           # [B, Qmax, Hi, di]
-        s = torch.einsum("bqhd,bkd->bqhk", Q, K).mul_(self.head_dim ** -0.5).relu_()   # [B, Qmax, Hi, Kmax]
-        scores = torch.einsum("bqh,bqhk->bqk", w[batch.q_index], s)             # [B, Qmax, Kmax]
-        scores = scores.masked_fill(~batch.causal, float("-inf"))
-        k = min(self.topk, scores.shape[-1])
-        top = scores.topk(k, dim=-1).indices                                    # [B, Qmax, k]
-        selected = torch.zeros_like(batch.causal).scatter_(-1, top, True)
-        return selected & batch.causal
+        K = key_cache[group.kv_slots].float()                                   # [B, Kmax, di]
+        Q = qi.float()[group.q_index]                                           # [B, Qmax, Hi, di]
+        W = w[group.q_index]                                                    # [B, Qmax, Hi]
+        B, Qmax, Kmax = group.causal.shape
+        k = min(self.topk, Kmax)
+        selected = torch.zeros_like(group.causal)
+        # NOTE: the per-head ReLU scores [B, q, Hi, Kmax] fp32 are the big tensor (GLM-5: 32 heads x
+        # 8k keys = 1 MiB per query row); score query chunks of at most _SCORE_BYTES (a loop over
+        # chunks, not tokens: one iteration up to ~240 rows at 8k context).
+        qc = max(1, _SCORE_BYTES // (B * self.n_heads * Kmax * 4))
+        for q0 in range(0, Qmax, qc):
+            sl = slice(q0, q0 + qc)
+            s = torch.einsum("bqhd,bkd->bqhk", Q[:, sl], K).mul_(self.head_dim ** -0.5).relu_()   # [B, q, Hi, Kmax]
+            scores = torch.einsum("bqh,bqhk->bqk", W[:, sl], s)                 # [B, q, Kmax]
+            scores.masked_fill_(~group.causal[:, sl], float("-inf"))
+            top = scores.topk(k, dim=-1).indices                                # [B, q, k]
+            selected[:, sl].scatter_(-1, top, True)
+        return selected & group.causal

@@ -7,8 +7,9 @@ latent and the roped shared key — identical on every TP rank. Two equivalent f
 - absorbed (decode): fold W_UK into the query and W_UV into the output, attend in latent space
   as MQA with one KV head of dim r+dr (value = c).
 
-Sparse attention (DSA) is a boolean mask from the indexer ANDed with the causal mask; "shared"
-layers (IndexShare) reuse the previous full layer's mask.
+Attention runs once per `AttnGroup` of the batch (decode group: absorbed; prefill group: naive, under
+mla_mode "auto"). Sparse attention (DSA) is a boolean mask from the indexer ANDed with the causal
+mask, one per group; "shared" layers (IndexShare) reuse the previous full layer's masks.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from glm_ray.layers.indexer import Indexer
 from glm_ray.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.layers.norm import RMSNorm
 from glm_ray.layers.rotary import apply_rope
-from glm_ray.model.forward_batch import ForwardBatch
+from glm_ray.model.forward_batch import AttnGroup, ForwardBatch
 
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -71,7 +72,7 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, index_cache: torch.Tensor | None,
-                prev_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                prev_mask: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         T = x.shape[0]
         if hasattr(self, "q_a_proj"):
             q_resid = self.q_a_layernorm(self.q_a_proj(x))                      # [T, rq]
@@ -84,17 +85,23 @@ class MLAAttention(nn.Module):
         c = self.kv_a_layernorm(ckv[:, :self.r])                                # [T, r]
         k_pe = apply_rope(ckv[:, None, self.r:], cos, sin, self.interleave)[:, 0]   # [T, dr]
         kv_cache.index_copy_(0, batch.slot_mapping, torch.cat([c, k_pe], -1).to(kv_cache.dtype))
-
-        mask = batch.causal                                                     # [B, Qmax, Kmax]
         if self.indexer is not None:
-            sel = self.indexer(x, q_resid, batch, cos, sin, index_cache)
-            mask = sel if sel is not None else mask
-        elif self.uses_dsa and prev_mask is not None:
-            mask = prev_mask
-        ctx = kv_cache[batch.kv_slots]                                          # [B, Kmax, r+dr]
-        attend = self._naive if batch.mla_mode == "naive" else self._absorbed
-        o = attend(q_nope, q_pe, ctx, mask, batch)                              # [T, h, dv]
-        return self.o_proj(o.reshape(T, self.h * self.dv)), (mask if self.uses_dsa else None)
+            self.indexer.write_keys(x, batch, cos, sin, index_cache)
+
+        o = q_nope.new_empty(T, self.h, self.dv)                                # [T, h, dv]
+        masks = []
+        for gi, g in enumerate(batch.groups):                                   # decode group, prefill group
+            mask = g.causal                                                     # [B, Qmax, Kmax]
+            if self.indexer is not None:
+                sel = self.indexer.select(x, q_resid, g, cos, sin, index_cache)
+                mask = sel if sel is not None else mask
+            elif self.uses_dsa and prev_mask is not None:
+                mask = prev_mask[gi]
+            masks.append(mask)
+            ctx = kv_cache[g.kv_slots]                                          # [B, Kmax, r+dr]
+            attend = self._naive if g.mla_mode == "naive" else self._absorbed
+            o.index_copy_(0, g.token_index, attend(q_nope, q_pe, ctx, mask, g))   # [Tg, h, dv] rows
+        return self.o_proj(o.reshape(T, self.h * self.dv)), (tuple(masks) if self.uses_dsa else None)
 
     def _sdpa(self, q, k, v, mask, **kw):
         # q [B, h, Qmax, d], k/v [B, h|1, Kmax, d], mask [B, Qmax, Kmax]
@@ -107,7 +114,7 @@ class MLAAttention(nn.Module):
         with sdpa_kernel(_CUDA_SDPA_BACKENDS):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], scale=self.scale, **kw)
 
-    def _naive(self, q_nope, q_pe, ctx, mask, batch):
+    def _naive(self, q_nope, q_pe, ctx, mask, batch: AttnGroup):
         B, K, _ = ctx.shape
         kv = self.kv_b_proj(ctx[..., :self.r].reshape(B * K, self.r)).view(B, K, self.h, self.dn + self.dv)
         k = torch.cat([kv[..., :self.dn], ctx[..., None, self.r:].expand(B, K, self.h, self.dr)], -1)
@@ -116,7 +123,7 @@ class MLAAttention(nn.Module):
         o = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)   # [B, h, Qmax, dv]
         return o.transpose(1, 2)[batch.q_valid]                                 # [T, h, dv]
 
-    def _absorbed(self, q_nope, q_pe, ctx, mask, batch):
+    def _absorbed(self, q_nope, q_pe, ctx, mask, batch: AttnGroup):
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_kc.to(q_nope.dtype)).transpose(0, 1)   # [T, h, r]
         q = torch.cat([q_lat, q_pe], -1)[batch.q_index]                         # [B, Qmax, h, r+dr]
         kv = ctx[:, None]                                                       # [B, 1, Kmax, r+dr]

@@ -1,8 +1,13 @@
 """`ForwardBatch`: everything a forward pass needs besides token ids, built once per step by the
 model runner and shared by every layer.
 
-Tokens of all scheduled sequences are packed on one axis `T` (varlen). Attention works on padded
-per-sequence views: queries `[B, Qmax]` gather from `T`, keys `[B, Kmax]` gather flat KV-cache slots.
+Tokens of all scheduled sequences are packed on one axis `T` (varlen), in scheduler order. Attention
+runs per `AttnGroup`: the sequences of a step split into a *decode* group (one new token each) and a
+*prefill* groups (chunks of prompts, bucketed so padding stays within 2x), each on its own padded
+per-sequence view — queries `[B, Qmax]`
+gather from `T`, keys `[B, Kmax]` gather flat KV-cache slots. Splitting keeps a 1-token decode from
+being padded to a 1024-token prefill chunk (`[B, Qmax, Kmax]` of the whole step) and lets each group
+take its own MLA form: absorbed (latent MQA) for decode, naive (expanded MHA) for prefill.
 """
 from __future__ import annotations
 
@@ -12,15 +17,23 @@ import torch
 
 
 @dataclass
-class ForwardBatch:
-    positions: torch.Tensor      # [T] int64 position of each new token in its sequence
-    slot_mapping: torch.Tensor   # [T] int64 flat KV slot (block * block_size + offset) the token writes
+class AttnGroup:
+    """One homogeneous set of sequences of a step (all decode, or all prefill)."""
+    token_index: torch.Tensor    # [Tg] int64 rows of T owned by the group, in the order q_valid packs them
     q_index: torch.Tensor        # [B, Qmax] int64 index into T (padding -> 0)
     q_valid: torch.Tensor        # [B, Qmax] bool
     kv_slots: torch.Tensor       # [B, Kmax] int64 flat slots of context positions 0..ctx-1 (padding -> 0)
     causal: torch.Tensor         # [B, Qmax, Kmax] bool: key valid and key position <= query position
-    max_context_len: int         # host int: max over sequences of cached + new tokens
-    mla_mode: str                # "naive" (expand K/V, prefill) | "absorbed" (latent MQA, decode)
+    max_context_len: int         # host int: max over the group's sequences of cached + new tokens
+    mla_mode: str                # "naive" (expand K/V) | "absorbed" (latent MQA)
+
+
+@dataclass
+class ForwardBatch:
+    positions: torch.Tensor      # [T] int64 position of each new token in its sequence
+    slot_mapping: torch.Tensor   # [T] int64 flat KV slot (block * block_size + offset) the token writes
+    groups: tuple[AttnGroup, ...]  # decode group first, then prefill groups; every row of T once
+    max_context_len: int         # host int: max over all sequences of cached + new tokens
 
     @property
     def num_tokens(self) -> int:
@@ -29,18 +42,63 @@ class ForwardBatch:
 
 def build_forward_batch(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                         block_size: int, device: torch.device, mla_mode: str = "auto") -> ForwardBatch:
-    """Host-side construction from per-sequence lengths (vectorized; one copy to the device).
+    """Host-side construction from per-sequence lengths (vectorized per group; one copy each to the device).
 
     query_lens[i]: new tokens of sequence i this step; context_lens[i]: cached + new tokens.
+    mla_mode: "auto" -> absorbed for the decode group, naive for the prefill group; "naive" /
+    "absorbed" force one form for both (tests, A/B).
     """
     B = len(query_lens)
     ql = torch.tensor(query_lens, dtype=torch.int64)                         # [B]
     cl = torch.tensor(context_lens, dtype=torch.int64)                       # [B]
-    Qmax, Kmax = int(ql.max()), int(cl.max())
     max_blocks = max(len(b) for b in block_tables)
     bt = torch.zeros(B, max_blocks, dtype=torch.int64)
     for i, b in enumerate(block_tables):                                     # per sequence, not per token
         bt[i, :len(b)] = torch.tensor(b, dtype=torch.int64)
+    starts = torch.cumsum(ql, 0) - ql                                        # [B] first row in T
+    # every token: its position and KV slot, in packing order
+    tok_seq = torch.repeat_interleave(torch.arange(B), ql)                   # [T]
+    positions = (cl - ql)[tok_seq] + (torch.arange(len(tok_seq)) - starts[tok_seq])   # [T]
+    slot_mapping = bt[tok_seq, positions // block_size] * block_size + positions % block_size
+    groups = []
+    for idx, mode in _partition(query_lens, context_lens):
+        idx = torch.tensor(idx, dtype=torch.int64)
+        groups.append(_group(ql[idx], cl[idx], starts[idx], bt[idx], block_size,
+                             mode if mla_mode == "auto" else mla_mode))
+    to = lambda t: t.to(device, non_blocking=True)
+    groups = tuple(AttnGroup(*(to(t) for t in (g[0], g[1], g[2], g[3], g[4])), max_context_len=g[5], mla_mode=g[6])
+                   for g in groups)
+    return ForwardBatch(positions=to(positions), slot_mapping=to(slot_mapping), groups=groups,
+                        max_context_len=int(cl.max()))
+
+
+def _partition(query_lens: list[int], context_lens: list[int]) -> list[tuple[list[int], str]]:
+    """Sequence indices per attention group: all decodes in one group, then the prefill chunks in
+    groups whose padded views stay within 2x their real rows (B * Qmax <= 2 * sum(q) and
+    B * Kmax <= 2 * sum(k)): one 8000-token chunk next to sixty 3-token chunks is not padded into
+    [61, 8000, ...]. Host-side, per sequence (not per token)."""
+    dec = [i for i, q in enumerate(query_lens) if q == 1]
+    pre = sorted((i for i, q in enumerate(query_lens) if q > 1), key=lambda i: -query_lens[i])
+    out = [(dec, "absorbed")] if dec else []
+    cur: list[int] = []
+    sq = sk = kmax = 0
+    for i in pre:
+        q, k = query_lens[i], context_lens[i]
+        n, qmax, km = len(cur) + 1, (query_lens[cur[0]] if cur else q), max(kmax, k)
+        if cur and (n * qmax > 2 * (sq + q) or n * km > 2 * (sk + k)):
+            out.append((cur, "naive"))
+            cur, sq, sk, km = [], 0, 0, k
+        cur.append(i)
+        sq, sk, kmax = sq + q, sk + k, km
+    if cur:
+        out.append((cur, "naive"))
+    return out
+
+
+def _group(ql, cl, starts, bt, block_size: int, mode: str):
+    """Padded per-sequence view of one group (host tensors)."""
+    B, max_blocks = bt.shape
+    Qmax, Kmax = int(ql.max()), int(cl.max())
     kpos = torch.arange(Kmax)                                                # [Kmax]
     kv_valid = kpos[None, :] < cl[:, None]                                   # [B, Kmax]
     kv_slots = bt.gather(1, (kpos // block_size).clamp(max=max_blocks - 1)[None, :].expand(B, -1)) * block_size \
@@ -48,18 +106,8 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
     kv_slots = torch.where(kv_valid, kv_slots, 0)                            # [B, Kmax]
     qoff = torch.arange(Qmax)                                                # [Qmax]
     q_valid = qoff[None, :] < ql[:, None]                                    # [B, Qmax]
-    starts = torch.cumsum(ql, 0) - ql                                        # [B]
     q_index = torch.where(q_valid, starts[:, None] + qoff[None, :], 0)       # [B, Qmax]
     qpos = (cl - ql)[:, None] + qoff[None, :]                                # [B, Qmax] absolute positions
     causal = (kpos[None, None, :] <= qpos[:, :, None]) & kv_valid[:, None, :] & q_valid[:, :, None]
-    positions = qpos[q_valid]                                                # [T] (row-major = packing order)
-    seq_of_tok = torch.arange(B)[:, None].expand(B, Qmax)[q_valid]
-    slot_mapping = kv_slots.new_zeros(0)
-    if positions.numel():
-        slot_mapping = bt[seq_of_tok, positions // block_size] * block_size + positions % block_size
-    if mla_mode == "auto":
-        mla_mode = "absorbed" if Qmax == 1 else "naive"
-    to = lambda t: t.to(device, non_blocking=True)
-    return ForwardBatch(positions=to(positions), slot_mapping=to(slot_mapping), q_index=to(q_index),
-                        q_valid=to(q_valid), kv_slots=to(kv_slots), causal=to(causal),
-                        max_context_len=Kmax, mla_mode=mla_mode)
+    token_index = q_index[q_valid]                                           # [Tg]
+    return token_index, q_index, q_valid, kv_slots, causal, Kmax, mode

@@ -141,3 +141,43 @@ class ModelRunner:
             chosen, tops = gather_logprobs(lp, targets, k)
             out[s.req_id] = [to_logprob_dict(t, c, *tp, k) for t, c, tp in zip(targets.tolist(), chosen, tops)]
         return out
+
+
+@torch.inference_mode()
+def profile_activation_bytes(cfg: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module,
+                             device: torch.device) -> int:
+    """Peak activation memory of the largest step the scheduler can issue (CUDA only).
+
+    Runs one forward of a fresh `max_num_batched_tokens`-token prefill (the largest MoE dispatch, the
+    FP8 projection path when on, and the widest padded attention view the bucketing allows) plus the
+    logits of `max_num_seqs` rows, on throw-away caches, and returns the peak above what was allocated
+    before. The KV cache is then sized from what is left (vLLM's `profile_run` does the same).
+    """
+    T = cfg.scheduler.max_num_batched_tokens
+    if cfg.scheduler.max_model_len:
+        T = min(T, cfg.scheduler.max_model_len)
+    bs = cfg.cache.block_size
+    # NOTE: [T-2, 2] is the widest padded view the prefill bucketing allows for T tokens (two
+    # sequences padded to T-2 rows each ~ 2T rows; see forward_batch._partition).
+    qlens = [T - 2, 2] if T >= 4 else [T]
+    tables, nblk = [], 0
+    for q in qlens:
+        tables.append(list(range(nblk, nblk + -(-q // bs))))
+        nblk += len(tables[-1])
+    kv = [torch.zeros(nblk * bs, model_cfg.kv_cache_dim, dtype=model_cfg.dtype, device=device)
+          for _ in range(model_cfg.num_hidden_layers)]
+    idx = {l: torch.zeros(nblk * bs, model_cfg.index_head_dim, dtype=model_cfg.dtype, device=device)
+           for l in model_cfg.full_indexer_layers()} if model_cfg.has_indexer else {}
+    batch = build_forward_batch(qlens, qlens, tables, bs, device, cfg.mla_mode)
+    ids = torch.randint(0, model_cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(0)).to(device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    hidden = model(ids, batch, kv, idx)                                          # [T, D]
+    rows = min(T, cfg.scheduler.max_num_seqs)
+    torch.log_softmax(model.compute_logits(hidden[-rows:]).float(), -1)         # sampler-sized logits
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del kv, idx, hidden
+    torch.cuda.empty_cache()
+    return int(peak)

@@ -18,7 +18,7 @@ from glm_ray.engine.scheduler import SchedulerOutput
 from glm_ray.model.glm_moe_dsa import GlmMoeDsaForCausalLM
 from glm_ray.model.loader import init_dummy_weights, load_weights
 from glm_ray.quant import get_quant_config
-from glm_ray.worker.model_runner import ModelRunner, ModelRunnerOutput
+from glm_ray.worker.model_runner import ModelRunner, ModelRunnerOutput, profile_activation_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +75,18 @@ class Worker:
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type == "cuda":
+            act = profile_activation_bytes(self.cfg, self.model_cfg, self.model, self.device)
             free, total = torch.cuda.mem_get_info()
-            used = total - free
-            budget = int(total * cc.gpu_memory_utilization - used - 2 * 2**30)   # 2 GiB for activations
+            used = total - free                                   # weights + CUDA context + NCCL buffers
+            budget = int(total * cc.gpu_memory_utilization - used - act)
+            logger.info("rank %d: memory %.1f GiB used after load, %.2f GiB peak activations "
+                        "(max_num_batched_tokens step) -> KV budget %.1f GiB", self.rank, used / 2**30,
+                        act / 2**30, budget / 2**30)
+            if budget <= 0:
+                raise RuntimeError(f"no GPU memory left for the KV cache: {used / 2**30:.1f} GiB used after "
+                                   f"loading, {act / 2**30:.1f} GiB of activations at max_num_batched_tokens="
+                                   f"{self.cfg.scheduler.max_num_batched_tokens}, gpu_memory_utilization="
+                                   f"{cc.gpu_memory_utilization} of {total / 2**30:.1f} GiB")
         else:
             budget = cc.cpu_kv_cache_bytes
         return num_blocks_for_budget(budget, self.model_cfg, self.model_cfg.dtype, cc.block_size)

@@ -42,3 +42,21 @@ def test_gpu_bf16_smoke(oracle_dir):
         assert len(c.token_ids) == 24
         for tok, lp in zip(c.token_ids, c.logprobs):
             assert lp[tok] <= 0 and lp[tok] == max(lp.values())     # greedy picks the top-1
+
+
+def test_profiled_activation_peak_covers_the_largest_step(oracle_dir):
+    """The KV cache is sized after a profile forward at max_num_batched_tokens; a real step of that
+    size (a 512-token prompt next to decoding requests) must not need more activation memory."""
+    from glm_ray.worker.model_runner import profile_activation_bytes
+    llm = LLM(oracle_dir, device="cuda", dtype="bfloat16", max_num_batched_tokens=512,
+              kv_cache_memory_bytes=256 << 20)
+    w = llm.engine.executor.worker
+    profiled = profile_activation_bytes(w.cfg, w.model_cfg, w.model, w.device)
+    assert profiled > 0
+    g = torch.Generator().manual_seed(1)
+    long = {"prompt_token_ids": torch.randint(10, 1000, (505,), generator=g).tolist()}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    llm.generate(_prompts() + [long], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert torch.cuda.max_memory_allocated() - base <= profiled * 1.05, (torch.cuda.max_memory_allocated() - base, profiled)

@@ -101,3 +101,17 @@ def test_greedy_64_tokens_equal_transformers_generate(oracle_dir):
         ref = model.generate(torch.tensor([p]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
     assert ours == ref
+
+
+def test_indexer_query_chunks_and_mixed_steps_match_transformers(oracle_dir, monkeypatch):
+    """The indexer scores query chunks (bounded memory at long context): with a 1-byte budget every
+    query row is its own chunk, and a 48-token prompt prefilled in 16-token chunks next to decoding
+    requests (mixed steps: an absorbed decode group + a naive prefill group) still matches the oracle."""
+    import glm_ray.layers.indexer as indexer
+    monkeypatch.setattr(indexer, "_SCORE_BYTES", 1)
+    prompts = _prompts((9, 48, 21), seed=5)
+    outs = _engine(oracle_dir, max_num_batched_tokens=16).generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2),
+        use_tqdm=False)
+    _check(oracle_dir, outs, prompts, k=2)

@@ -1,0 +1,72 @@
+"""`build_forward_batch` splits a step into a decode group (absorbed MLA) and a prefill group (naive
+MLA), each padded only to its own lengths; together the groups cover every packed token once."""
+from __future__ import annotations
+
+import torch
+
+from glm_ray.model.forward_batch import build_forward_batch
+
+
+def _tables(context_lens, bs):
+    nxt, out = 0, []
+    for c in context_lens:
+        n = -(-c // bs)
+        out.append(list(range(nxt, nxt + n)))
+        nxt += n
+    return out
+
+
+def test_mixed_step_splits_into_decode_and_prefill_groups():
+    bs = 16
+    qlens = [1, 700, 1, 1, 5]                       # decodes interleaved with two prefill chunks
+    clens = [40, 700, 90, 17, 300]
+    b = build_forward_batch(qlens, clens, _tables(clens, bs), bs, torch.device("cpu"))
+    dec, pre = b.groups
+    assert (dec.mla_mode, pre.mla_mode) == ("absorbed", "naive")
+    assert dec.q_index.shape == (3, 1) and dec.max_context_len == 90
+    assert pre.q_index.shape == (2, 700) and pre.max_context_len == 700
+    # the decode rows of T are the three 1-token sequences, the prefill rows the rest, each exactly once
+    starts = [0, 1, 701, 702, 703]
+    assert dec.token_index.tolist() == [starts[0], starts[2], starts[3]]
+    assert sorted(torch.cat([dec.token_index, pre.token_index]).tolist()) == list(range(sum(qlens)))
+    # a decode token sees its whole context; the prefill chunk of seq 4 starts at position 295
+    assert dec.causal[1, 0].sum() == 90 and pre.causal[1, 0].sum() == 296
+    assert b.positions[starts[4]] == 295 and b.positions[starts[2]] == 89
+    # padding shrinks from [5, 700, 700] (one view for the step) to [3, 1, 90] + [2, 700, 700]
+    assert dec.causal.numel() + pre.causal.numel() < 0.41 * 5 * 700 * 700
+
+
+def test_forced_mode_and_single_group():
+    bs = 4
+    b = build_forward_batch([1, 1], [5, 9], _tables([5, 9], bs), bs, torch.device("cpu"), mla_mode="naive")
+    (g,) = b.groups
+    assert g.mla_mode == "naive" and g.q_index.shape == (2, 1)
+    b = build_forward_batch([3, 1], [3, 9], _tables([3, 9], bs), bs, torch.device("cpu"), mla_mode="absorbed")
+    assert [g.mla_mode for g in b.groups] == ["absorbed", "absorbed"]
+    # slot of position p of a sequence = block_table[p // bs] * bs + p % bs
+    tables = _tables([3, 9], bs)
+    assert b.slot_mapping.tolist() == [tables[0][0] * bs + p for p in range(3)] + [tables[1][2] * bs + 0]
+
+
+def test_prefill_groups_bound_padding():
+    bs = 16
+    qlens = [8000] + [3] * 60 + [1] * 3
+    clens = [8000] + [3] * 60 + [500] * 3
+    b = build_forward_batch(qlens, clens, _tables(clens, bs), bs, torch.device("cpu"))
+    dec, *pre = b.groups
+    assert dec.q_index.shape == (3, 1)
+    assert sorted(torch.cat([g.token_index for g in b.groups]).tolist()) == list(range(sum(qlens)))
+    for g in pre:
+        real_q = int(g.q_valid.sum())
+        real_k = sum(clens[i] for i in range(len(qlens)) if qlens[i] > 1 and starts_of(qlens)[i] in set(g.q_index[:, 0].tolist()))
+        assert g.q_valid.numel() <= 2 * real_q and g.kv_slots.numel() <= 2 * real_k
+    padded = sum(g.q_valid.numel() for g in b.groups)
+    assert padded <= 2 * sum(qlens)                   # one [61, 8000] view would be 61x
+
+
+def starts_of(qlens):
+    out, s = [], 0
+    for q in qlens:
+        out.append(s)
+        s += q
+    return out
