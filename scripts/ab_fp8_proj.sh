@@ -5,8 +5,12 @@
 # ../shared/device/ray-on-device.md). Results: $OUT/<model>_tp<TP>_fp8{off,on}.jsonl + the delta table.
 #   MODEL=glm5-slice-6l TP=1 bash scripts/ab_fp8_proj.sh        # issue 5 (one H200)
 #   MODEL=glm5-flash-31b TP=4 bash scripts/ab_fp8_proj.sh       # issue 9 (nvidia-h200-x4)
-# FLAGS="off" / FLAGS="on" runs one half (to split the A/B over two device calls); the compare table is
-# written once both result files exist. DEVICE=cpu DTYPE=float32 MODEL=glm5-tiny checks the script here.
+# FLAGS="off" / FLAGS="on" runs one half (to split the A/B over two device calls); FLAGS="off on off on"
+# interleaves server lifetimes (each leg appends REPS runs to its flag's file: on a host-bound engine the
+# spread between two lifetimes was larger than the effect, see docs/measurements/2026-11-30). The compare
+# table is written once both result files exist. For the flag's effect on one step without serving noise:
+#   python -m glm_ray.bench.fp8_proj_step $MODEL --load-format dummy --device cuda --dtype bfloat16
+# DEVICE=cpu DTYPE=float32 MODEL=glm5-tiny checks the script here.
 set -uo pipefail
 MODEL=${MODEL:-glm5-slice-6l}; TP=${TP:-1}; IN=${IN:-1024}; OUT_LEN=${OUT_LEN:-1024}; REPS=${REPS:-3}
 CONC=${CONC:-"4 8 16 32 64"}; FLAGS=${FLAGS:-"off on"}; DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}
