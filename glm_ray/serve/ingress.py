@@ -15,21 +15,18 @@ Router contract (glm_ray/serve/router.py):
 import asyncio
 import contextvars
 import logging
-import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from glm_ray.engine.errors import EngineError, EngineOverloadedError
 from glm_ray.engine.outputs import TokenDelta
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.serve.detok import TokenStrings
+from glm_ray.serve.errors import error_response, install_error_handlers, map_exception
+from glm_ray.serve.fanout import EventStream, Fanout, SubRequest, pad_logprobs
 from glm_ray.serve.protocol import (
     SSE_DONE, APIError, ChatChoiceLogprobs, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionResponseChoice, ChatCompletionStreamChoice, ChatCompletionStreamResponse,
@@ -37,7 +34,7 @@ from glm_ray.serve.protocol import (
     CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse,
     DeltaMessage, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
     TokenizeResponse, UsageInfo, bad_request, chat_logprobs, check_prompt_fits, check_token_ids,
-    completion_logprobs, format_prompt_logprobs, format_validation_errors, load_generation_defaults,
+    completion_logprobs, format_prompt_logprobs, load_generation_defaults,
     parse_body, parse_tokenize_body, random_id, requested_max_tokens, sse, to_sampling_params,
 )
 
@@ -56,264 +53,13 @@ _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "tokenize", "c
 # requests per replica would queue the 6th stream at the proxy).
 DEFAULT_INGRESS_OPTIONS: dict[str, Any] = {"max_ongoing_requests": 2048}
 
-# --------------------------------------------------------------------------------------------
-# Error mapping
-# --------------------------------------------------------------------------------------------
-
-
-def _exception_chain(exc: BaseException):
-    seen = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop(0)
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        for nxt in (getattr(e, "cause", None), e.__cause__, e.__context__):
-            if isinstance(nxt, BaseException):
-                stack.append(nxt)
-
-
-def map_exception(exc: BaseException) -> APIError:
-    """Any exception (possibly wrapped by Ray) -> APIError with the right status."""
-    chain = list(_exception_chain(exc))
-    for e in chain:
-        if isinstance(e, APIError):
-            return e
-    for e in chain:
-        # Prefer the original (unwrapped) engine error: Ray's dual RayTaskError instances are
-        # isinstance of the cause class but their message is the whole remote traceback.
-        if isinstance(e, EngineError) and not _is_ray_wrapper(e):
-            return _engine_error(e)
-    for e in chain:
-        if isinstance(e, EngineError):
-            return _engine_error(e)
-    try:
-        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-        from ray.exceptions import RayActorError
-        for e in chain:
-            if isinstance(e, BackPressureError):
-                headers = {}
-                if e.retry_after_s:
-                    headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
-                return APIError(e.status_code, e.message, type="server_overloaded",
-                                code="server_overloaded", headers=headers)
-            if isinstance(e, (DeploymentUnavailableError, RayActorError)):
-                return APIError(503, "The engine is unavailable; retry later.",
-                                type="service_unavailable", code="engine_unavailable")
-    except ImportError:  # pragma: no cover
-        pass
-    msg = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-    return APIError(500, f"Internal server error: {msg}", type="internal_error", code="internal_error")
-
-
-def _is_ray_wrapper(e: BaseException) -> bool:
-    try:
-        from ray.exceptions import RayTaskError
-        return isinstance(e, RayTaskError)
-    except ImportError:  # pragma: no cover
-        return False
-
-
-def _engine_error(e: EngineError) -> APIError:
-    message = getattr(e, "message", None) or str(e)
-    status = int(getattr(e, "status_code", 500) or 500)
-    headers = {}
-    if isinstance(e, EngineOverloadedError):
-        retry = getattr(e, "retry_after_s", 1.0) or 1.0
-        headers["Retry-After"] = str(max(1, math.ceil(retry)))
-    return APIError(status, message, type=getattr(e, "error_type", None),
-                    param=getattr(e, "param", None), code=getattr(e, "error_type", None),
-                    headers=headers)
-
-
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.to_dict(), status_code=err.status_code, headers=err.headers or None)
-
 
 # --------------------------------------------------------------------------------------------
 # The FastAPI app and its exception handlers (every error leaves in OpenAI's shape)
 # --------------------------------------------------------------------------------------------
 
 app = FastAPI(title="glm-ray OpenAI-compatible API", docs_url="/docs", redoc_url=None)
-
-
-@app.exception_handler(APIError)
-async def _api_error_handler(request: Request, exc: APIError):
-    return error_response(exc)
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error_handler(request: Request, exc: RequestValidationError):
-    msg, param = format_validation_errors(list(exc.errors()))
-    return error_response(bad_request(msg, param=param))
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error_handler(request: Request, exc: StarletteHTTPException):
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return error_response(APIError(exc.status_code, str(exc.detail), code=code,
-                                   headers=dict(exc.headers or {})))
-
-
-@app.exception_handler(Exception)
-async def _unhandled_error_handler(request: Request, exc: Exception):
-    logger.exception("unhandled error in %s %s", request.method, request.url.path)
-    return error_response(map_exception(exc))
-
-
-class _EventStream(StreamingResponse):
-    """SSE response that runs `on_close` however the response ends (even if never started)."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-# --------------------------------------------------------------------------------------------
-# Fan-out of one HTTP request into router sub-requests
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Sub:
-    index: int                      # choice index in the response
-    prompt_idx: int
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    prompt_text: Optional[str] = None
-    gen: Any = None
-    task: Optional[asyncio.Task] = None
-    started: bool = False           # at least one delta received
-    finished: bool = False          # the router reported finished (nothing to abort)
-    # accumulation
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    stop_reason: Any = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    prompt_logprobs: Optional[list] = None
-    emitted_chars: int = 0          # characters of text returned so far (for text_offset)
-    sent_first: bool = False
-    group_first: Optional["_Sub"] = None   # the sub that computes prompt logprobs for this prompt
-
-    @property
-    def prompt_lps(self) -> Optional[list]:
-        src = self.group_first or self
-        return src.prompt_logprobs
-
-    def absorb(self, d: TokenDelta) -> None:
-        self.text += d.new_text
-        self.token_ids += d.new_token_ids
-        if d.new_logprobs:
-            self.logprobs += d.new_logprobs
-        if d.num_prompt_tokens:
-            self.num_prompt_tokens = d.num_prompt_tokens
-        if d.num_cached_tokens:
-            self.num_cached_tokens = d.num_cached_tokens
-        if d.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = d.prompt_logprobs
-        if d.finished:
-            self.finish_reason = d.finish_reason
-            self.stop_reason = d.stop_reason
-
-
-class _Fanout:
-    """Runs the sub-requests of one HTTP request and merges their streams.
-
-    Items are `(sub, delta, error)`; exactly one terminal item per sub (finished delta, error,
-    or `delta=None` when a stream ended without a finished delta).
-    """
-
-    def __init__(self, ingress: "OpenAIIngress", subs: list[_Sub]):
-        self.ingress = ingress
-        self.subs = subs
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.closed = False
-        self._buffer: list = []
-        self._remaining = len(subs)
-
-    def start(self) -> None:
-        handle = self.ingress.router.options(stream=True)
-        for s in self.subs:
-            s.gen = handle.generate.remote(s.rid, s.prompt_ids, s.params)
-            s.task = asyncio.get_running_loop().create_task(self._pump(s))
-
-    async def _pump(self, s: _Sub) -> None:
-        try:
-            async for d in s.gen:
-                s.started = True
-                if d.finished:
-                    s.finished = True
-                self.queue.put_nowait((s, d, None))
-                if d.finished:
-                    return
-            s.finished = True
-            self.queue.put_nowait((s, None, None))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
-            s.finished = True       # the router side failed; nothing left to abort there
-            self.queue.put_nowait((s, None, e))
-
-    async def prelude(self) -> None:
-        """Wait until every sub-request produced its first item; errors raised before any
-        output become proper HTTP errors (400/503 ...) instead of in-stream errors."""
-        waiting = {s.index for s in self.subs}
-        while waiting:
-            s, d, err = await self.queue.get()
-            if err is not None and s.index in waiting:
-                raise map_exception(err)
-            if d is not None and d.prompt_logprobs is not None and s.prompt_logprobs is None:
-                s.prompt_logprobs = d.prompt_logprobs   # siblings read it before their turn
-            waiting.discard(s.index)
-            self._buffer.append((s, d, err))
-
-    async def items(self):
-        while self._remaining > 0:
-            if self._buffer:
-                item = self._buffer.pop(0)
-            else:
-                item = await self.queue.get()
-            s, d, err = item
-            if err is not None or d is None or d.finished:
-                self._remaining -= 1
-            yield item
-
-    def close(self) -> None:
-        """Idempotent, synchronous (safe in `finally` after a cancellation)."""
-        if self.closed:
-            return
-        self.closed = True
-        for s in self.subs:
-            if s.task is not None and not s.task.done():
-                s.task.cancel()
-            if s.gen is not None and not s.finished:
-                if s.started:
-                    try:
-                        s.gen.cancel()
-                    except Exception:  # noqa: BLE001
-                        pass
-                self.ingress._abort_in_background(s.rid)
-
-
-def _pad(lps: Optional[list], n: int) -> list:
-    """Logprob dicts aligned with n tokens (None where the engine sent none)."""
-    lps = list(lps or [])
-    if len(lps) < n:
-        lps += [None] * (n - len(lps))
-    return lps[:n]
+install_error_handlers(app)
 
 
 async def _await(resp):
@@ -440,7 +186,7 @@ class OpenAIIngress:
         return sp
 
     def _make_subs(self, base_id: str, prompts: list[tuple[Optional[str], list[int]]],
-                   params: list[SamplingParams]) -> list[_Sub]:
+                   params: list[SamplingParams]) -> list[SubRequest]:
         subs = []
         for p, ((text, ids), sp) in enumerate(zip(prompts, params)):
             first = None
@@ -449,15 +195,15 @@ class OpenAIIngress:
                 seed = None if sp.seed is None else sp.seed + i
                 # Prompt logprobs are the same for every choice of a prompt: compute them once.
                 plp = sp.prompt_logprobs if i == 0 else None
-                sub = _Sub(index=index, prompt_idx=p, rid=f"{base_id}-{index}", prompt_ids=ids,
+                sub = SubRequest(index=index, prompt_idx=p, rid=f"{base_id}-{index}", prompt_ids=ids,
                            params=sp.clone(n=1, seed=seed, prompt_logprobs=plp), prompt_text=text,
                            group_first=first)
                 first = first or sub
                 subs.append(sub)
         return subs
 
-    async def _start(self, subs: list[_Sub]) -> _Fanout:
-        fan = _Fanout(self, subs)
+    async def _start(self, subs: list[SubRequest]) -> Fanout:
+        fan = Fanout(self.router, subs, self._abort_in_background)
         try:
             fan.start()
             await fan.prelude()
@@ -466,14 +212,14 @@ class OpenAIIngress:
             raise
         return fan
 
-    def _usage(self, subs: list[_Sub], prompts_len: list[int]) -> UsageInfo:
+    def _usage(self, subs: list[SubRequest], prompts_len: list[int]) -> UsageInfo:
         cached = {}
         for s in subs:
             cached[s.prompt_idx] = max(cached.get(s.prompt_idx, 0), s.num_cached_tokens)
         return UsageInfo.of(sum(prompts_len), sum(len(s.token_ids) for s in subs), sum(cached.values()))
 
     @staticmethod
-    def _delta_error(s: _Sub, d: Optional[TokenDelta], err: Optional[BaseException]) -> Optional[APIError]:
+    def _delta_error(s: SubRequest, d: Optional[TokenDelta], err: Optional[BaseException]) -> Optional[APIError]:
         if err is not None:
             return map_exception(err)
         if d is not None and d.finish_reason == "error":
@@ -571,7 +317,7 @@ class OpenAIIngress:
             fan = await self._start(subs)
             prompt_lens = [len(ids) for _, ids in prompts]
             if req.stream:
-                return _EventStream(self._completion_stream(req, base_id, fan, prompt_lens), fan.close)
+                return EventStream(self._completion_stream(req, base_id, fan, prompt_lens), fan.close)
             try:
                 return await self._completion_full(req, base_id, fan, prompt_lens)
             finally:
@@ -581,16 +327,16 @@ class OpenAIIngress:
                 logger.warning("completion request failed: %r", e)
             return error_response(map_exception(e))
 
-    def _echo_text(self, s: _Sub) -> str:
+    def _echo_text(self, s: SubRequest) -> str:
         if s.prompt_text is not None:
             return s.prompt_text
         return self.tokenizer.decode(s.prompt_ids, skip_special_tokens=False)
 
-    def _echo_logprobs(self, s: _Sub, k: int) -> CompletionLogProbs:
+    def _echo_logprobs(self, s: SubRequest, k: int) -> CompletionLogProbs:
         plps = s.prompt_lps if s.prompt_lps is not None else [None] * len(s.prompt_ids)
         return completion_logprobs(s.prompt_ids, list(plps), k, self.tok, 0)
 
-    async def _completion_full(self, req: CompletionRequest, base_id: str, fan: _Fanout,
+    async def _completion_full(self, req: CompletionRequest, base_id: str, fan: Fanout,
                                prompt_lens: list[int]) -> JSONResponse:
         async for s, d, err in fan.items():
             e = self._delta_error(s, d, err)
@@ -611,7 +357,7 @@ class OpenAIIngress:
                     lps = self._echo_logprobs(s, k)
                 text = echo + text
             if k is not None:
-                gen_lps = completion_logprobs(s.token_ids, _pad(s.logprobs, len(s.token_ids)), k, self.tok,
+                gen_lps = completion_logprobs(s.token_ids, pad_logprobs(s.logprobs, len(s.token_ids)), k, self.tok,
                                               initial_offset=len(text) - len(s.text))
                 if lps is None:
                     lps = gen_lps
@@ -627,7 +373,7 @@ class OpenAIIngress:
                                   usage=self._usage(fan.subs, prompt_lens))
         return JSONResponse(resp.model_dump())
 
-    async def _completion_stream(self, req: CompletionRequest, base_id: str, fan: _Fanout,
+    async def _completion_stream(self, req: CompletionRequest, base_id: str, fan: Fanout,
                                  prompt_lens: list[int]):
         created = int(time.time())
         model = self.served_model_name
@@ -656,7 +402,7 @@ class OpenAIIngress:
                 text_offset = s.emitted_chars + len(text)
                 text += d.new_text
                 if k is not None and d.new_token_ids:
-                    gen_lps = completion_logprobs(d.new_token_ids, _pad(d.new_logprobs, len(d.new_token_ids)),
+                    gen_lps = completion_logprobs(d.new_token_ids, pad_logprobs(d.new_logprobs, len(d.new_token_ids)),
                                                   k, self.tok, initial_offset=text_offset)
                     if lps is None:
                         lps = gen_lps
@@ -699,7 +445,7 @@ class OpenAIIngress:
             subs = self._make_subs(base_id, [(None, ids)], [sp])
             fan = await self._start(subs)
             if req.stream:
-                return _EventStream(self._chat_stream(req, base_id, fan, [len(ids)]), fan.close)
+                return EventStream(self._chat_stream(req, base_id, fan, [len(ids)]), fan.close)
             try:
                 return await self._chat_full(req, base_id, fan, [len(ids)])
             finally:
@@ -709,7 +455,7 @@ class OpenAIIngress:
                 logger.warning("chat request failed: %r", e)
             return error_response(map_exception(e))
 
-    async def _chat_full(self, req: ChatCompletionRequest, base_id: str, fan: _Fanout,
+    async def _chat_full(self, req: ChatCompletionRequest, base_id: str, fan: Fanout,
                          prompt_lens: list[int]) -> JSONResponse:
         async for s, d, err in fan.items():
             e = self._delta_error(s, d, err)
@@ -724,7 +470,7 @@ class OpenAIIngress:
             k = s.params.logprobs
             lps = None
             if k is not None:
-                lps = ChatChoiceLogprobs(content=chat_logprobs(s.token_ids, _pad(s.logprobs, len(s.token_ids)),
+                lps = ChatChoiceLogprobs(content=chat_logprobs(s.token_ids, pad_logprobs(s.logprobs, len(s.token_ids)),
                                                                k, self.tok))
             choices.append(ChatCompletionResponseChoice(
                 index=s.index, message=ChatResponseMessage(content=s.text), logprobs=lps,
@@ -737,7 +483,7 @@ class OpenAIIngress:
                                       usage=self._usage(fan.subs, prompt_lens), prompt_logprobs=plp)
         return JSONResponse(resp.model_dump())
 
-    async def _chat_stream(self, req: ChatCompletionRequest, base_id: str, fan: _Fanout,
+    async def _chat_stream(self, req: ChatCompletionRequest, base_id: str, fan: Fanout,
                            prompt_lens: list[int]):
         created = int(time.time())
         model = self.served_model_name
@@ -768,7 +514,7 @@ class OpenAIIngress:
                 lps = None
                 if k is not None and d.new_token_ids:
                     lps = ChatChoiceLogprobs(content=chat_logprobs(
-                        d.new_token_ids, _pad(d.new_logprobs, len(d.new_token_ids)), k, self.tok))
+                        d.new_token_ids, pad_logprobs(d.new_logprobs, len(d.new_token_ids)), k, self.tok))
                 plp = None
                 if not plp_sent and s.prompt_lps is not None:
                     plp_sent = True

@@ -436,7 +436,7 @@ def test_engine_errors_survive_pickling():
 
 
 def test_map_exception_unwraps_ray_errors():
-    ingress = pytest.importorskip("glm_ray.serve.ingress")
+    ingress = pytest.importorskip("glm_ray.serve.errors")
     from ray.exceptions import RayTaskError
 
     def wrap(cause):

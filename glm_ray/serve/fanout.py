@@ -1,0 +1,167 @@
+"""Fan-out of one HTTP request into Router sub-requests (`n` x prompts), the merge of their
+`TokenDelta` streams, and the SSE response that aborts whatever is unfinished however it ends.
+
+`Fanout.prelude()` turns errors raised before any output into HTTP errors (400/503...); after that
+they become in-stream errors. `close()` is idempotent and synchronous, safe in `finally` after a
+cancellation: it cancels the pumps and aborts every unfinished sub-request on the Router.
+"""
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Optional
+
+from fastapi.responses import StreamingResponse
+
+from glm_ray.engine.outputs import TokenDelta
+from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.serve.errors import map_exception
+
+
+class EventStream(StreamingResponse):
+    """SSE response that runs `on_close` however the response ends (even if never started)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+@dataclass
+class SubRequest:
+    index: int                      # choice index in the response
+    prompt_idx: int
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_text: Optional[str] = None
+    gen: Any = None
+    task: Optional[asyncio.Task] = None
+    started: bool = False           # at least one delta received
+    finished: bool = False          # the router reported finished (nothing to abort)
+    # accumulation
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list] = None
+    emitted_chars: int = 0          # characters of text returned so far (for text_offset)
+    sent_first: bool = False
+    group_first: Optional["SubRequest"] = None   # the sub that computes prompt logprobs for this prompt
+
+    @property
+    def prompt_lps(self) -> Optional[list]:
+        src = self.group_first or self
+        return src.prompt_logprobs
+
+    def absorb(self, d: TokenDelta) -> None:
+        self.text += d.new_text
+        self.token_ids += d.new_token_ids
+        if d.new_logprobs:
+            self.logprobs += d.new_logprobs
+        if d.num_prompt_tokens:
+            self.num_prompt_tokens = d.num_prompt_tokens
+        if d.num_cached_tokens:
+            self.num_cached_tokens = d.num_cached_tokens
+        if d.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = d.prompt_logprobs
+        if d.finished:
+            self.finish_reason = d.finish_reason
+            self.stop_reason = d.stop_reason
+
+
+class Fanout:
+    """Runs the sub-requests of one HTTP request and merges their streams.
+
+    Items are `(sub, delta, error)`; exactly one terminal item per sub (finished delta, error,
+    or `delta=None` when a stream ended without a finished delta).
+    """
+
+    def __init__(self, router, subs: list[SubRequest], abort: Callable[[str], None]):
+        self.router = router
+        self.abort = abort              # abort(request_id): fire-and-forget abort on the Router
+        self.subs = subs
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+        self._buffer: list = []
+        self._remaining = len(subs)
+
+    def start(self) -> None:
+        handle = self.router.options(stream=True)
+        for s in self.subs:
+            s.gen = handle.generate.remote(s.rid, s.prompt_ids, s.params)
+            s.task = asyncio.get_running_loop().create_task(self._pump(s))
+
+    async def _pump(self, s: SubRequest) -> None:
+        try:
+            async for d in s.gen:
+                s.started = True
+                if d.finished:
+                    s.finished = True
+                self.queue.put_nowait((s, d, None))
+                if d.finished:
+                    return
+            s.finished = True
+            self.queue.put_nowait((s, None, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            s.finished = True       # the router side failed; nothing left to abort there
+            self.queue.put_nowait((s, None, e))
+
+    async def prelude(self) -> None:
+        """Wait until every sub-request produced its first item; errors raised before any
+        output become proper HTTP errors (400/503 ...) instead of in-stream errors."""
+        waiting = {s.index for s in self.subs}
+        while waiting:
+            s, d, err = await self.queue.get()
+            if err is not None and s.index in waiting:
+                raise map_exception(err)
+            if d is not None and d.prompt_logprobs is not None and s.prompt_logprobs is None:
+                s.prompt_logprobs = d.prompt_logprobs   # siblings read it before their turn
+            waiting.discard(s.index)
+            self._buffer.append((s, d, err))
+
+    async def items(self):
+        while self._remaining > 0:
+            if self._buffer:
+                item = self._buffer.pop(0)
+            else:
+                item = await self.queue.get()
+            s, d, err = item
+            if err is not None or d is None or d.finished:
+                self._remaining -= 1
+            yield item
+
+    def close(self) -> None:
+        """Idempotent, synchronous (safe in `finally` after a cancellation)."""
+        if self.closed:
+            return
+        self.closed = True
+        for s in self.subs:
+            if s.task is not None and not s.task.done():
+                s.task.cancel()
+            if s.gen is not None and not s.finished:
+                if s.started:
+                    try:
+                        s.gen.cancel()
+                    except Exception:  # noqa: BLE001
+                        pass
+                self.abort(s.rid)
+
+
+def pad_logprobs(lps: Optional[list], n: int) -> list:
+    """Logprob dicts aligned with n tokens (None where the engine sent none)."""
+    lps = list(lps or [])
+    if len(lps) < n:
+        lps += [None] * (n - len(lps))
+    return lps[:n]
+
+
