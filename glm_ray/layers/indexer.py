@@ -15,7 +15,7 @@ from torch import nn
 from glm_ray.config import ModelConfig
 from glm_ray.layers.linear import ReplicatedLinear
 from glm_ray.layers.norm import LayerNorm
-from glm_ray.layers.rotary import apply_rope
+from glm_ray.layers.rotary import RopeCache, apply_rope
 from glm_ray.model.forward_batch import AttnGroup, ForwardBatch
 
 
@@ -39,16 +39,16 @@ class Indexer(nn.Module):
         self.weights_proj = ReplicatedLinear(cfg.hidden_size, self.n_heads, quant_config=Unquantized(),
                                              prefix=f"{prefix}.weights_proj", params_dtype=torch.float32)
 
-    def _rope(self, x, cos, sin):
+    def _rope(self, x, rope: RopeCache):
         r = self.rope_dim
-        return torch.cat([apply_rope(x[..., :r], cos, sin, self.interleave), x[..., r:]], dim=-1)
+        return torch.cat([apply_rope(x[..., :r], rope, self.interleave), x[..., r:]], dim=-1)
 
-    def write_keys(self, x: torch.Tensor, batch: ForwardBatch, cos, sin, key_cache: torch.Tensor) -> None:
+    def write_keys(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeCache, key_cache: torch.Tensor) -> None:
         """Cache the new tokens' index keys (every token of the step, once per layer)."""
-        ki = self._rope(self.k_norm(self.wk(x)), cos, sin)                       # [T, di]
+        ki = self._rope(self.k_norm(self.wk(x)), rope)                       # [T, di]
         key_cache.index_copy_(0, batch.slot_mapping, ki.to(key_cache.dtype))
 
-    def select(self, x: torch.Tensor, q_resid: torch.Tensor, group: AttnGroup, cos, sin,
+    def select(self, x: torch.Tensor, q_resid: torch.Tensor, group: AttnGroup, rope: RopeCache,
                key_cache: torch.Tensor) -> torch.Tensor | None:
         """Top-k selection mask [B, Qmax, Kmax] of one attention group, or None when its contexts fit."""
         if group.max_context_len <= self.topk:
@@ -56,7 +56,7 @@ class Indexer(nn.Module):
         T = x.shape[0]
         # NOTE: scores every row of T; with two groups needing selection that is done twice (small:
         # wq_b + weights_proj), the [B, Qmax, Hi, Kmax] scoring below is per group only.
-        qi = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin)   # [T, Hi, di]
+        qi = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), rope)   # [T, Hi, di]
         w = self.weights_proj(x.float()) * self.n_heads ** -0.5                 # [T, Hi] fp32
         K = key_cache[group.kv_slots].float()                                   # [B, Kmax, di]
         Q = qi.float()[group.q_index]                                           # [B, Qmax, Hi, di]

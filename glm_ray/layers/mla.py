@@ -22,7 +22,7 @@ from glm_ray.config import ModelConfig
 from glm_ray.layers.indexer import Indexer
 from glm_ray.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.layers.norm import RMSNorm
-from glm_ray.layers.rotary import apply_rope
+from glm_ray.layers.rotary import RopeCache, apply_rope
 from glm_ray.model.forward_batch import AttnGroup, ForwardBatch
 
 
@@ -70,7 +70,7 @@ class MLAAttention(nn.Module):
         self.w_kc = w[:, :self.dn, :].contiguous()                              # [h, dn, r]
         self.w_vc = w[:, self.dn:, :].transpose(1, 2).contiguous()              # [h, r, dv]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeCache,
                 kv_cache: torch.Tensor, index_cache: torch.Tensor | None,
                 prev_mask: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         T = x.shape[0]
@@ -80,20 +80,20 @@ class MLAAttention(nn.Module):
         else:
             q_resid, q = None, self.q_proj(x)
         q = q.view(T, self.h, self.dn + self.dr)                                # [T, h, dn+dr]
-        q_nope, q_pe = q[..., :self.dn], apply_rope(q[..., self.dn:], cos, sin, self.interleave)
+        q_nope, q_pe = q[..., :self.dn], apply_rope(q[..., self.dn:], rope, self.interleave)
         ckv = self.kv_a_proj_with_mqa(x)                                        # [T, r+dr]
         c = self.kv_a_layernorm(ckv[:, :self.r])                                # [T, r]
-        k_pe = apply_rope(ckv[:, None, self.r:], cos, sin, self.interleave)[:, 0]   # [T, dr]
+        k_pe = apply_rope(ckv[:, None, self.r:], rope, self.interleave)[:, 0]   # [T, dr]
         kv_cache.index_copy_(0, batch.slot_mapping, torch.cat([c, k_pe], -1).to(kv_cache.dtype))
         if self.indexer is not None:
-            self.indexer.write_keys(x, batch, cos, sin, index_cache)
+            self.indexer.write_keys(x, batch, rope, index_cache)
 
         o = q_nope.new_empty(T, self.h, self.dv)                                # [T, h, dv]
         masks = []
         for gi, g in enumerate(batch.groups):                                   # decode group, prefill group
             mask = g.causal                                                     # [B, Qmax, Kmax]
             if self.indexer is not None:
-                sel = self.indexer.select(x, q_resid, g, cos, sin, index_cache)
+                sel = self.indexer.select(x, q_resid, g, rope, index_cache)
                 mask = sel if sel is not None else mask
             elif self.uses_dsa and prev_mask is not None:
                 mask = prev_mask[gi]

@@ -17,10 +17,9 @@ class RMSNorm(nn.Module):
                                        is_norm=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # fp32 statistics and normalization (F.rms_norm without a weight: one fused kernel where torch
+        # has one), cast back, then the weight in the input dtype
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     def weight_loader(self, param, ckpt, shard_id=None):
         load_sharded(param, ckpt, shard_dim=None, rank=0, tp=1)

@@ -8,6 +8,7 @@ k_pe layout depends on it, and it is consistent across prefill and decode.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,8 +38,16 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
     return inter * (1 - extra_factor) + extra * extra_factor
 
 
+@dataclass
+class RopeCache:
+    """cos/sin of one step's positions, in the model dtype, laid out for `apply_rope` (built once per
+    step, shared by every layer: the casts and the sign/duplication are not redone per call)."""
+    cos: torch.Tensor            # [T, dim]  (c, c)
+    sin: torch.Tensor            # [T, dim]  (-s, s)
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin per position (fp32), computed on the fly from positions [T]."""
+    """cos/sin per position (fp32 math, then the model dtype), computed on the fly from positions [T]."""
 
     def __init__(self, rope: RopeConfig, dim: int):
         super().__init__()
@@ -46,17 +55,21 @@ class RotaryEmbedding(nn.Module):
         self.scale = rope.cos_sin_scale
         self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeCache:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]                 # [T, dim/2]
-        return freqs.cos() * self.scale, freqs.sin() * self.scale
+        c, s = (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+        return RopeCache(cos=torch.cat([c, c], -1), sin=torch.cat([-s, s], -1))  # [T, dim] each
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """x [T, ..., dim]; cos/sin [T, dim/2] -> rotated x (same dtype)."""
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-    c, s = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
+def apply_rope(x: torch.Tensor, rope: RopeCache, interleave: bool) -> torch.Tensor:
+    """x [T, ..., dim] -> rotated x (same dtype): out = (x1, x2) * (c, c) + (x2, x1) * (-s, s),
+    i.e. (x1 c - x2 s, x2 c + x1 s) with x1/x2 the even/odd (interleaved) or first/second halves."""
+    shape = (rope.cos.shape[0],) + (1,) * (x.dim() - 2) + (rope.cos.shape[1],)
+    c, s = rope.cos.view(shape).to(x.dtype), rope.sin.view(shape).to(x.dtype)   # no-op casts in practice
     if interleave:
         x1, x2 = x[..., 0::2], x[..., 1::2]
+        xs = torch.cat([x1, x2], -1)                                            # de-interleaved copy
     else:
         x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        xs = x
+    return torch.addcmul(xs * c, torch.cat([x2, x1], -1), s)

@@ -38,8 +38,8 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, quant_config=quant_config, prefix=f"{prefix}.mlp",
                            params_dtype=params_dtype, tp=tp, swiglu_limit=cfg.swiglu_limit)
 
-    def forward(self, x, batch, cos, sin, kv_cache, index_cache, prev_mask):
-        h, mask = self.self_attn(self.input_layernorm(x), batch, cos, sin, kv_cache, index_cache, prev_mask)
+    def forward(self, x, batch, rope, kv_cache, index_cache, prev_mask):
+        h, mask = self.self_attn(self.input_layernorm(x), batch, rope, kv_cache, index_cache, prev_mask)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, mask
@@ -80,10 +80,10 @@ class GlmMoeDsaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[torch.Tensor],
                 index_caches: dict[int, torch.Tensor]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                                        # [T, D]
-        cos, sin = self.rotary_emb(batch.positions)                             # [T, dr/2] each
+        rope = self.rotary_emb(batch.positions, x.dtype)                        # cos/sin [T, dr] each
         mask = None
         for i in range(self.cfg.num_hidden_layers):
-            x, mask = self.layers[i](x, batch, cos, sin, kv_caches[i], index_caches.get(i), mask)
+            x, mask = self.layers[i](x, batch, rope, kv_caches[i], index_caches.get(i), mask)
         return self.norm(x)
 
 
