@@ -27,6 +27,9 @@ from glm_ray.model.forward_batch import AttnGroup, ForwardBatch
 
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Bound on the transient K/V expansion (and scores) of one naive attention call; above it the
+# context is processed in key chunks (`_naive_long`).
+_NAIVE_BYTES = 1 << 30
 
 
 class MLAAttention(nn.Module):
@@ -116,11 +119,43 @@ class MLAAttention(nn.Module):
 
     def _naive(self, q_nope, q_pe, ctx, mask, batch: AttnGroup):
         B, K, _ = ctx.shape
+        if B * K * self.h * (2 * self.dn + self.dr + self.dv) * ctx.element_size() > _NAIVE_BYTES:
+            return self._naive_long(q_nope, q_pe, ctx, mask, batch)
         kv = self.kv_b_proj(ctx[..., :self.r].reshape(B * K, self.r)).view(B, K, self.h, self.dn + self.dv)
         k = torch.cat([kv[..., :self.dn], ctx[..., None, self.r:].expand(B, K, self.h, self.dr)], -1)
         v = kv[..., self.dn:]                                                   # [B, K, h, dv]
         q = torch.cat([q_nope, q_pe], -1)[batch.q_index]                        # [B, Qmax, h, dn+dr]
         o = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None])   # [B, h, Qmax, dv]
+        return o.transpose(1, 2)[batch.q_valid]                                 # [Tg, h, dv]
+
+    def _naive_long(self, q_nope, q_pe, ctx, mask, batch: AttnGroup):
+        """Naive MLA over key chunks with an online softmax (fp32 running max / sum / output): the
+        K/V expansion of a long cached context (GLM-5: 57 KB per token and layer at TP1, 7.3 GB at
+        128k) and the chunk's scores stay within `_NAIVE_BYTES`. A loop over key chunks, not tokens;
+        taken only when the one-shot expansion would exceed the bound (long chunked prefills)."""
+        B, K, _ = ctx.shape
+        q = torch.cat([q_nope, q_pe], -1)[batch.q_index].transpose(1, 2)        # [B, h, Qm, D]
+        Qm = q.shape[2]
+        per_key = B * self.h * (Qm * 4 * 2 + (2 * self.dn + self.dr + self.dv) * ctx.element_size())
+        kc = max(16, _NAIVE_BYTES // per_key)
+        m = q.new_full((B, self.h, Qm), float("-inf"), dtype=torch.float32)     # running max
+        l = q.new_zeros((B, self.h, Qm), dtype=torch.float32)                   # running sum
+        acc = q.new_zeros((B, self.h, Qm, self.dv), dtype=torch.float32)        # running output
+        for k0 in range(0, K, kc):
+            c = ctx[:, k0:k0 + kc]                                              # [B, kc, r+dr]
+            n = c.shape[1]
+            kv = self.kv_b_proj(c[..., :self.r].reshape(B * n, self.r)).view(B, n, self.h, self.dn + self.dv)
+            k = torch.cat([kv[..., :self.dn], c[..., None, self.r:].expand(B, n, self.h, self.dr)], -1)
+            s = torch.einsum("bhqd,bkhd->bhqk", q, k).float().mul_(self.scale)  # [B, h, Qm, kc]
+            s.masked_fill_(~mask[:, None, :, k0:k0 + n], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)                # rows with nothing seen yet
+            p = torch.exp(s - m_safe[..., None])                                # [B, h, Qm, kc]
+            corr = torch.exp(m - m_safe)
+            l = l * corr + p.sum(-1)
+            acc = acc * corr[..., None] + torch.einsum("bhqk,bkhd->bhqd", p, kv[..., self.dn:].float())
+            m = m_new
+        o = (acc / l.clamp_min(1e-30)[..., None]).to(q.dtype)                   # [B, h, Qm, dv]
         return o.transpose(1, 2)[batch.q_valid]                                 # [Tg, h, dv]
 
     def _absorbed(self, q_nope, q_pe, ctx, mask, batch: AttnGroup):
