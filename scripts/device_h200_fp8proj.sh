@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 5's remaining H200 runs, one device call per PART (each fits the 10-minute call limit; after
+# the two-call Ray install of ../shared/device/ray-on-device.md, on the same warm machine):
+#   PART=step  bash scripts/device_h200_fp8proj.sh   # in-process step A/B, slice-6l + flash-31b (~4 min)
+#   PART=legs1 bash scripts/device_h200_fp8proj.sh   # served slice-6l, legs off then on (~8 min)
+#   PART=legs2 bash scripts/device_h200_fp8proj.sh   # served slice-6l, legs on then off (~8 min)
+# legs1 + legs2 give 4 reps per flag from two server lifetimes each, in ABBA order; compare locally:
+#   python -m glm_ray.bench.cli --compare <off files concatenated> <on files concatenated>
+set -uo pipefail
+source "$(dirname "$0")/device_common.sh"
+PART=${PART:-step}; S=$OUT/summary_$PART.txt
+case $PART in
+  step)
+    for M in glm5-slice-6l glm5-flash-31b; do
+      echo "== $M: one prefill step, FP8 projections on vs off (ABBA, 10 iters)" >> $S
+      timeout 200 python3 -m glm_ray.bench.fp8_proj_step $M --load-format dummy --device cuda --dtype bfloat16 \
+          --tokens 1024 2048 4096 8192 --seq-len 1024 --iters 10 --json $OUT/fp8_proj_step.jsonl 2>&1 \
+          | grep -vE "INFO|WARNING" | tail -6 >> $S
+    done ;;
+  legs1|legs2)
+    ORDER="off on"; [ $PART = legs2 ] && ORDER="on off"
+    for F in $ORDER; do
+      OUT=$OUT/$F MODEL=glm5-slice-6l TP=1 IN=1024 OUT_LEN=64 REPS=2 FLAGS=$F timeout 280 \
+          bash scripts/ab_fp8_proj.sh 2>&1 | grep -E "^ +[0-9]|concurrency|rror" >> $S
+      mv $OUT/$F/glm5-slice-6l_tp1_fp8$F.jsonl $OUT/${PART}_fp8$F.jsonl 2>/dev/null; rm -rf $OUT/$F
+    done ;;
+esac
+cat $S
