@@ -14,12 +14,12 @@ runs the FP8 path on the torch reference (CPU plumbing checks, not a speed claim
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
+from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.model.forward_batch import build_forward_batch
 from glm_ray.quant.fp8_proj import Fp8ProjGemmMethod
 
@@ -117,15 +117,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also append the rows to this JSONL file")
     a = p.parse_args(argv)
     rows = run(a.model, a.tokens, a.seq_len, a.iters, dtype=a.dtype, device=a.device, load_format=a.load_format)
-    cols = ["tokens", "step_ms_off", "step_ms_on", "step_delta", "proj_ms_off", "proj_ms_on", "proj_share_off",
-            "expected_step_delta"]
-    print(" | ".join(f"{c:>19}" for c in cols))
-    for r in rows:
-        print(" | ".join(f"{r[c]:>19.4f}" if isinstance(r[c], float) else f"{r[c]:>19}" for c in cols))
-    if a.json:
-        with open(a.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    print_rows(rows, ["tokens", "step_ms_off", "step_ms_on", "step_delta", "proj_ms_off", "proj_ms_on",
+                      "proj_share_off", "expected_step_delta", "proj_max_rel_err"], width=19)
+    append_rows(a.json, rows)
     return 0
 
 

@@ -6,11 +6,12 @@ time goes (Python scheduling + update vs the model forward vs sampling).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
+
+from glm_ray.bench.table import append_rows, print_rows
 
 
 def run(model: str | None, batches: list[int], input_len: int, output_len: int, **engine_kw) -> list[dict]:
@@ -69,15 +70,9 @@ def main(argv=None) -> int:
     rows = run(a.model, a.batch, a.input_len, a.output_len, dtype=a.dtype, device=a.device,
                load_format=a.load_format, tensor_parallel_size=a.tp, max_num_seqs=max(a.batch),
                max_num_batched_tokens=max(2048, a.input_len))
-    cols = ["batch", "output_tok_s", "decode_step_ms", "forward_ms", "prepare_inputs_ms", "sample_ms",
-            "schedule_update_ms", "python_share"]
-    print(" | ".join(f"{c:>18}" for c in cols))
-    for r in rows:
-        print(" | ".join(f"{r[c]:>18.3f}" if isinstance(r[c], float) else f"{r[c]:>18}" for c in cols))
-    if a.json:
-        with open(a.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    print_rows(rows, ["batch", "output_tok_s", "decode_step_ms", "forward_ms", "prepare_inputs_ms", "sample_ms",
+                      "schedule_update_ms", "python_share"])
+    append_rows(a.json, rows)
     return 0
 
 

@@ -8,10 +8,11 @@ the workers' own prepare+forward+sample) and its share of the step. In-process (
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
+
+from glm_ray.bench.table import append_rows
 
 
 def measure(model, tp: int, mode: str, batch: int, steps: int, **kw) -> dict:
@@ -73,10 +74,7 @@ def main(argv=None) -> int:
                   f"forward {r.get('forward_ms', 0):8.3f} ms  sched+update {r.get('schedule_update_ms', 0):6.3f} ms  "
                   f"collectives {r.get('collectives_ms', 0):7.3f} ms ({100 * r.get('collectives_share', 0):5.1f}%)",
                   flush=True)
-    if a.json:
-        with open(a.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    append_rows(a.json, rows)
     return 0
 
 

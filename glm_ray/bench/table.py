@@ -1,0 +1,23 @@
+"""Plain-text rows and JSONL output shared by the engine-side benchmarks (offline, orchestration,
+fp8_proj_step). The serving benchmark's richer tables live in report.py."""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+
+def print_rows(rows: Sequence[dict[str, Any]], cols: Sequence[str], width: int = 18) -> None:
+    """One header line and one line per row; floats with 3-4 decimals, right-aligned."""
+    print(" | ".join(f"{c:>{width}}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:>{width}.{3 if abs(r[c]) >= 1 else 4}f}" if isinstance(r[c], float)
+                         else f"{r[c]:>{width}}" for c in cols))
+
+
+def append_rows(path: str | None, rows: Sequence[dict[str, Any]]) -> None:
+    """Append rows to a JSONL file (no-op without a path)."""
+    if not path:
+        return
+    with open(path, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
