@@ -60,3 +60,17 @@ def test_profiled_activation_peak_covers_the_largest_step(oracle_dir):
     base = torch.cuda.memory_allocated()
     llm.generate(_prompts() + [long], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert torch.cuda.max_memory_allocated() - base <= profiled * 1.05, (torch.cuda.max_memory_allocated() - base, profiled)
+
+
+def test_key_chunked_long_context_path_matches_one_shot_on_gpu(oracle_dir, monkeypatch):
+    """The long-context naive MLA (key chunks, online softmax) gives the one-shot SDPA path's greedy
+    tokens and logprobs on the GPU in fp32 (both exact attention; only the reduction order differs)."""
+    import glm_ray.layers.mla as mla
+    torch.backends.cuda.matmul.allow_tf32 = False
+    one_shot = _run(oracle_dir, "cuda", "float32")
+    monkeypatch.setattr(mla, "_NAIVE_BYTES", 1)
+    chunked = _run(oracle_dir, "cuda", "float32")
+    for a, b in zip(one_shot, chunked):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert ta == tb
+        assert max(abs(x[t] - y[t]) for x, y, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, ta)) < 1e-3
