@@ -93,7 +93,7 @@ class MLAAttention(nn.Module):
 
         o = q_nope.new_empty(T, self.h, self.dv)                                # [T, h, dv]
         masks = []
-        for gi, g in enumerate(batch.groups):                                   # decode group, prefill group
+        for gi, g in enumerate(batch.groups):                                   # decode group, prefill buckets
             mask = g.causal                                                     # [B, Qmax, Kmax]
             if self.indexer is not None:
                 sel = self.indexer.select(x, q_resid, g, rope, index_cache)
@@ -130,8 +130,8 @@ class MLAAttention(nn.Module):
 
     def _naive_long(self, q_nope, q_pe, ctx, mask, batch: AttnGroup):
         """Naive MLA over key chunks with an online softmax (fp32 running max / sum / output): the
-        K/V expansion of a long cached context (GLM-5: 57 KB per token and layer at TP1, 7.3 GB at
-        128k) and the chunk's scores stay within `_NAIVE_BYTES`. A loop over key chunks, not tokens;
+        K/V expansion of a long cached context (GLM-5 at TP1: kv_b_proj output + concatenated K, ~90 KB
+        per context token, 11.8 GB at 128k) and the chunk's scores stay within `_NAIVE_BYTES`. A loop over key chunks, not tokens;
         taken only when the one-shot expansion would exceed the bound (long chunked prefills)."""
         B, K, _ = ctx.shape
         q = torch.cat([q_nope, q_pe], -1)[batch.q_index].transpose(1, 2)        # [B, h, Qm, D]
