@@ -65,6 +65,14 @@ def run(model: str | None, tokens: list[int], seq_len: int, iters: int, **engine
             raise SystemExit(f"M={M}: the KV cache holds {runner.kv_caches[0].shape[0] // bs} blocks, {nb} needed")
         batch = build_forward_batch(qlens, qlens, tables, bs, dev, llm.config.mla_mode)
         ids = torch.randint(0, V, (M,), generator=g).to(dev)
+        if M == tokens[0]:
+            # the projections a step runs (the MTP layer's are built but not in the forward)
+            ran: set[int] = set()
+            hooks = [mod.register_forward_hook(lambda *_, key=id(mod): ran.add(key)) for mod, _ in projs]
+            net(ids, batch, runner.kv_caches, runner.index_caches)
+            for h in hooks:
+                h.remove()
+            projs = [(mod, m) for mod, m in projs if id(mod) in ran]
         xs = [torch.randn(M, mod.weight.shape[1], generator=g).to(dev, mod.weight.dtype) for mod, _ in projs]
 
         def step(on: bool) -> float:
