@@ -20,6 +20,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of GPU memory for weights + activations + KV cache (KV gets what is left)")
     p.add_argument("--fp8-proj-gemm", action="store_true", default=None,
                    help="prefill-only FP8 GEMM for MLA q_b_proj/o_proj (also GLM_RAY_FP8_PROJ_GEMM=1)")
 
@@ -44,7 +46,8 @@ def cmd_generate(a) -> int:
     llm = LLM(a.model, tensor_parallel_size=a.tp, device=a.device, dtype=a.dtype, load_format=a.load_format,
               kernel_backend=a.kernel_backend, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-              block_size=a.block_size, fp8_proj_gemm=a.fp8_proj_gemm)
+              block_size=a.block_size, gpu_memory_utilization=a.gpu_memory_utilization,
+              fp8_proj_gemm=a.fp8_proj_gemm)
     tok = llm.get_tokenizer()
     prompts = a.prompt or ["Hello, my name is"]
     if a.chat and tok is not None:
@@ -74,7 +77,7 @@ def cmd_serve(a) -> int:
     args = {"model": a.model or "tiny", "tp": a.tp, "device": a.device, "dtype": a.dtype,
             "load_format": a.load_format, "kernel_backend": a.kernel_backend, "max_num_seqs": a.max_num_seqs,
             "max_num_batched_tokens": a.max_num_batched_tokens, "max_model_len": a.max_model_len,
-            "block_size": a.block_size}
+            "block_size": a.block_size, "gpu_memory_utilization": a.gpu_memory_utilization}
     if a.fp8_proj_gemm is not None:
         args["fp8_proj_gemm"] = True
     if a.served_model_name:
@@ -99,9 +102,7 @@ def cmd_serve(a) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("GLM_RAY_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glm-ray", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -140,8 +141,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from glm_ray.bench import cli as bench_cli
     bench_cli.add_parser(sub)
+    return parser
 
-    a = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("GLM_RAY_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    a = build_parser().parse_args(argv)
     return a.func(a) or 0
 
 

@@ -252,6 +252,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.90       # share of device memory for weights + KV (GPU only)
     cpu_kv_cache_bytes: int = 512 * 2**20      # default budget on CPU
 
+    def __post_init__(self):
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

@@ -46,6 +46,8 @@ class ServeArgs:
         args = cls(**d)
         if args.tp < 1:
             raise ValueError(f"tp must be >= 1, got {args.tp}")
+        if not 0.0 < args.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
         return args
 
     def resolved_model(self) -> str:

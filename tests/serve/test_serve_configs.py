@@ -34,6 +34,22 @@ def test_unknown_app_arg_rejected():
         ServeArgs.from_dict({"model": "tiny", "tensor_parallel": 2})
 
 
+@pytest.mark.parametrize("bad", [0.0, 1.5, -0.2])
+def test_gpu_memory_utilization_out_of_range_rejected(bad):
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        ServeArgs.from_dict({"model": "tiny", "gpu_memory_utilization": bad})
+
+
+def test_cli_and_engine_take_gpu_memory_utilization():
+    from glm_ray.cli import build_parser
+    from glm_ray.engine.llm import make_engine_config
+    for cmd in ("serve", "generate"):
+        assert build_parser().parse_args([cmd, "--gpu-memory-utilization", "0.8"]).gpu_memory_utilization == 0.8
+    assert make_engine_config("m", gpu_memory_utilization=0.8).cache.gpu_memory_utilization == 0.8
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        make_engine_config("m", gpu_memory_utilization=1.2)
+
+
 def test_serve_deploy_running_and_answers(serve_cluster, tiny_server):
     st = yaml.safe_load(serve_cluster.serve_cli("status").stdout)
     assert st["applications"]["glm-ray"]["status"] == "RUNNING"
