@@ -14,6 +14,17 @@ from fastapi.responses import StreamingResponse
 from glm_ray.engine.outputs import TokenDelta
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.serve.errors import map_exception
+from glm_ray.serve.protocol import APIError
+
+
+def delta_error(d: Optional[TokenDelta], err: Optional[BaseException]) -> Optional[APIError]:
+    """What ends a sub-request in error: an exception from the Router, or an engine-side failure."""
+    if err is not None:
+        return map_exception(err)
+    if d is not None and d.finish_reason == "error":
+        return APIError(500, d.error or "the engine failed while generating", type="internal_error",
+                        code="engine_error")
+    return None
 
 
 class EventStream(StreamingResponse):
@@ -139,6 +150,31 @@ class Fanout:
             if err is not None or d is None or d.finished:
                 self._remaining -= 1
             yield item
+
+    async def collect(self) -> None:
+        """Drain every sub-request into its `SubRequest` (non-streaming responses); the first error
+        is raised as an `APIError`; a stream that ended without a finished delta counts as aborted."""
+        async for s, d, err in self.items():
+            e = delta_error(d, err)
+            if e is not None:
+                raise e
+            if d is None:
+                s.finish_reason = s.finish_reason or "abort"
+                continue
+            s.absorb(d)
+
+    async def deltas(self):
+        """Streaming: yields `(sub, delta)` after absorbing each delta (a stream that ended without a
+        finished delta yields a finished "abort" delta), or one `APIError` and stops."""
+        async for s, d, err in self.items():
+            e = delta_error(d, err)
+            if e is not None:
+                yield e
+                return
+            if d is None:
+                d = TokenDelta(request_id=s.rid, new_token_ids=[], finished=True, finish_reason="abort")
+            s.absorb(d)
+            yield s, d
 
     def close(self) -> None:
         """Idempotent, synchronous (safe in `finally` after a cancellation)."""

@@ -22,7 +22,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
-from glm_ray.engine.outputs import TokenDelta
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.serve.detok import TokenStrings
 from glm_ray.serve.errors import error_response, install_error_handlers, map_exception
@@ -218,15 +217,6 @@ class OpenAIIngress:
             cached[s.prompt_idx] = max(cached.get(s.prompt_idx, 0), s.num_cached_tokens)
         return UsageInfo.of(sum(prompts_len), sum(len(s.token_ids) for s in subs), sum(cached.values()))
 
-    @staticmethod
-    def _delta_error(s: SubRequest, d: Optional[TokenDelta], err: Optional[BaseException]) -> Optional[APIError]:
-        if err is not None:
-            return map_exception(err)
-        if d is not None and d.finish_reason == "error":
-            return APIError(500, d.error or "the engine failed while generating", type="internal_error",
-                            code="engine_error")
-        return None
-
     # ---------------- endpoints: models, health, tokenizer ----------------
 
     def _model_card(self, info: dict) -> ModelCard:
@@ -338,14 +328,7 @@ class OpenAIIngress:
 
     async def _completion_full(self, req: CompletionRequest, base_id: str, fan: Fanout,
                                prompt_lens: list[int]) -> JSONResponse:
-        async for s, d, err in fan.items():
-            e = self._delta_error(s, d, err)
-            if e is not None:
-                raise e
-            if d is None:
-                s.finish_reason = s.finish_reason or "abort"
-                continue
-            s.absorb(d)
+        await fan.collect()
         choices = []
         for s in fan.subs:
             k = s.params.logprobs
@@ -378,14 +361,11 @@ class OpenAIIngress:
         created = int(time.time())
         model = self.served_model_name
         try:
-            async for s, d, err in fan.items():
-                e = self._delta_error(s, d, err)
-                if e is not None:
-                    yield sse(e.to_dict())
+            async for item in fan.deltas():
+                if isinstance(item, APIError):
+                    yield sse(item.to_dict())
                     break
-                if d is None:
-                    d = TokenDelta(request_id=s.rid, new_token_ids=[], finished=True, finish_reason="abort")
-                s.absorb(d)
+                s, d = item
                 k = s.params.logprobs
                 text = ""
                 lps = None
@@ -457,14 +437,7 @@ class OpenAIIngress:
 
     async def _chat_full(self, req: ChatCompletionRequest, base_id: str, fan: Fanout,
                          prompt_lens: list[int]) -> JSONResponse:
-        async for s, d, err in fan.items():
-            e = self._delta_error(s, d, err)
-            if e is not None:
-                raise e
-            if d is None:
-                s.finish_reason = s.finish_reason or "abort"
-                continue
-            s.absorb(d)
+        await fan.collect()
         choices = []
         for s in fan.subs:
             k = s.params.logprobs
@@ -502,14 +475,11 @@ class OpenAIIngress:
                 yield chunk([ChatCompletionStreamChoice(index=s.index,
                                                         delta=DeltaMessage(role="assistant", content=""))])
             plp_sent = req.prompt_logprobs is None
-            async for s, d, err in fan.items():
-                e = self._delta_error(s, d, err)
-                if e is not None:
-                    yield sse(e.to_dict())
+            async for item in fan.deltas():
+                if isinstance(item, APIError):
+                    yield sse(item.to_dict())
                     break
-                if d is None:
-                    d = TokenDelta(request_id=s.rid, new_token_ids=[], finished=True, finish_reason="abort")
-                s.absorb(d)
+                s, d = item
                 k = s.params.logprobs
                 lps = None
                 if k is not None and d.new_token_ids:
