@@ -27,9 +27,9 @@ from glm_ray.model.forward_batch import AttnGroup, ForwardBatch
 
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# Bound on the transient K/V expansion (and scores) of one naive attention call; above it the
-# context is processed in key chunks (`_naive_long`).
-_NAIVE_BYTES = 1 << 30
+# Bound on the transient gathered / expanded context of one attention call; above it the context is
+# processed in key chunks (`_online_softmax`).
+_ATTN_BYTES = 1 << 30
 
 
 class MLAAttention(nn.Module):
@@ -101,9 +101,8 @@ class MLAAttention(nn.Module):
             elif self.uses_dsa and prev_mask is not None:
                 mask = prev_mask[gi]
             masks.append(mask)
-            ctx = kv_cache[g.kv_slots]                                          # [B, Kmax, r+dr]
             attend = self._naive if g.mla_mode == "naive" else self._absorbed
-            o.index_copy_(0, g.token_index, attend(q_nope, q_pe, ctx, mask, g))   # [Tg, h, dv] rows
+            o.index_copy_(0, g.token_index, attend(q_nope, q_pe, kv_cache, mask, g))   # [Tg, h, dv] rows
         return self.o_proj(o.reshape(T, self.h * self.dv)), (tuple(masks) if self.uses_dsa else None)
 
     def _sdpa(self, q, k, v, mask, **kw):
@@ -117,56 +116,75 @@ class MLAAttention(nn.Module):
         with sdpa_kernel(_CUDA_SDPA_BACKENDS):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=self.scale, **kw)
 
-    def _naive(self, q_nope, q_pe, ctx, mask, batch: AttnGroup):
-        B, K, _ = ctx.shape
-        if B * K * self.h * (2 * self.dn + self.dr + self.dv) * ctx.element_size() > _NAIVE_BYTES:
-            return self._naive_long(q_nope, q_pe, ctx, mask, batch)
-        kv = self.kv_b_proj(ctx[..., :self.r].reshape(B * K, self.r)).view(B, K, self.h, self.dn + self.dv)
-        k = torch.cat([kv[..., :self.dn], ctx[..., None, self.r:].expand(B, K, self.h, self.dr)], -1)
-        v = kv[..., self.dn:]                                                   # [B, K, h, dv]
+    def _naive(self, q_nope, q_pe, kv_cache, mask, batch: AttnGroup):
+        """Expand the context latents to per-head K/V with kv_b_proj and run MHA (prefill)."""
+        B, K = batch.kv_slots.shape
         q = torch.cat([q_nope, q_pe], -1)[batch.q_index]                        # [B, Qmax, h, dn+dr]
-        o = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None])   # [B, h, Qmax, dv]
-        return o.transpose(1, 2)[batch.q_valid]                                 # [Tg, h, dv]
 
-    def _naive_long(self, q_nope, q_pe, ctx, mask, batch: AttnGroup):
-        """Naive MLA over key chunks with an online softmax (fp32 running max / sum / output): the
-        K/V expansion of a long cached context (GLM-5 at TP1: kv_b_proj output + concatenated K, ~90 KB
-        per context token, 11.8 GB at 128k) and the chunk's scores stay within `_NAIVE_BYTES`. A loop over key chunks, not tokens;
-        taken only when the one-shot expansion would exceed the bound (long chunked prefills)."""
-        B, K, _ = ctx.shape
-        q = torch.cat([q_nope, q_pe], -1)[batch.q_index].transpose(1, 2)        # [B, h, Qm, D]
-        Qm = q.shape[2]
-        per_key = B * self.h * (Qm * 4 * 2 + (2 * self.dn + self.dr + self.dv) * ctx.element_size())
-        kc = max(16, _NAIVE_BYTES // per_key)
-        m = q.new_full((B, self.h, Qm), float("-inf"), dtype=torch.float32)     # running max
-        l = q.new_zeros((B, self.h, Qm), dtype=torch.float32)                   # running sum
-        acc = q.new_zeros((B, self.h, Qm, self.dv), dtype=torch.float32)        # running output
-        for k0 in range(0, K, kc):
-            c = ctx[:, k0:k0 + kc]                                              # [B, kc, r+dr]
+        def expand(c):                                                          # [B, n, r+dr] -> K, V
             n = c.shape[1]
             kv = self.kv_b_proj(c[..., :self.r].reshape(B * n, self.r)).view(B, n, self.h, self.dn + self.dv)
             k = torch.cat([kv[..., :self.dn], c[..., None, self.r:].expand(B, n, self.h, self.dr)], -1)
-            s = torch.einsum("bhqd,bkhd->bhqk", q, k).float().mul_(self.scale)  # [B, h, Qm, kc]
-            s.masked_fill_(~mask[:, None, :, k0:k0 + n], float("-inf"))
-            m_new = torch.maximum(m, s.amax(-1))
-            m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)                # rows with nothing seen yet
-            p = torch.exp(s - m_safe[..., None])                                # [B, h, Qm, kc]
-            corr = torch.exp(m - m_safe)
-            l = l * corr + p.sum(-1)
-            acc = acc * corr[..., None] + torch.einsum("bhqk,bkhd->bhqd", p, kv[..., self.dn:].float())
-            m = m_new
-        o = (acc / l.clamp_min(1e-30)[..., None]).to(q.dtype)                   # [B, h, Qm, dv]
-        return o.transpose(1, 2)[batch.q_valid]                                 # [Tg, h, dv]
+            return k, kv[..., self.dn:]                                         # [B, n, h, dn+dr], [B, n, h, dv]
 
-    def _absorbed(self, q_nope, q_pe, ctx, mask, batch: AttnGroup):
+        per_key = B * self.h * (2 * self.dn + self.dr + self.dv) * kv_cache.element_size()
+        if K * per_key > _ATTN_BYTES:                                           # long cached context
+            o = self._online_softmax(q, lambda k0, k1: expand(kv_cache[batch.kv_slots[:, k0:k1]]), mask, K,
+                                     per_key + B * self.h * self.dv * 4)
+        else:
+            k, v = expand(kv_cache[batch.kv_slots])                             # [B, K, h, *]
+            o = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None]).transpose(1, 2)
+        return o[batch.q_valid]                                                 # [Tg, h, dv]
+
+    def _absorbed(self, q_nope, q_pe, kv_cache, mask, batch: AttnGroup):
+        """Fold W_UK into the query, attend in latent space against the one shared latent KV head
+        (MQA), unfold W_UV from the output (decode)."""
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_kc.to(q_nope.dtype)).transpose(0, 1)   # [T, h, r]
         q = torch.cat([q_lat, q_pe], -1)[batch.q_index]                         # [B, Qmax, h, r+dr]
         B, Qm, h, D = q.shape
-        # NOTE: one latent KV head shared by all heads (MQA): fold the heads into query rows
-        # ([B, 1, Qmax*h, D] against [B, 1, Kmax, D]) instead of enable_gqa, which the math backend
-        # serves by copying K/V per head ([B, h, Kmax, r+dr]: 5.9 GiB at 64 decodes x 1.1k context).
-        kv = ctx[:, None]                                                       # [B, 1, Kmax, r+dr]
-        m = mask[:, :, None, :].expand(B, Qm, h, mask.shape[-1]).reshape(B, 1, Qm * h, -1)   # [B, 1, Qmax*h, Kmax]
-        o_lat = self._sdpa(q.reshape(B, 1, Qm * h, D), kv, kv[..., :self.r], m)   # [B, 1, Qmax*h, r]
-        o_lat = o_lat.view(B, Qm, h, self.r)[batch.q_valid]                     # [Tg, h, r]
+        K = batch.kv_slots.shape[1]
+        per_key = B * (D * kv_cache.element_size() + Qm * h * 2)                # gathered latents + bf16 bias
+        if K * per_key > _ATTN_BYTES:                                           # many long contexts
+            def latents(k0, k1):
+                c = kv_cache[batch.kv_slots[:, k0:k1]]                          # [B, n, r+dr] shared by heads
+                return c, c[..., :self.r]
+            o_lat = self._online_softmax(q, latents, mask, K, B * D * (kv_cache.element_size() + 4))
+        else:
+            # NOTE: fold the heads into query rows ([B, 1, Qmax*h, D] against [B, 1, Kmax, D]) instead
+            # of enable_gqa, which the math backend serves by copying K/V per head ([B, h, Kmax, r+dr]:
+            # 5.9 GiB at 64 decodes x 1.1k context on the H200).
+            kv = kv_cache[batch.kv_slots][:, None]                              # [B, 1, Kmax, r+dr]
+            m = mask[:, :, None, :].expand(B, Qm, h, K).reshape(B, 1, Qm * h, K)   # [B, 1, Qmax*h, Kmax]
+            o_lat = self._sdpa(q.reshape(B, 1, Qm * h, D), kv, kv[..., :self.r], m).reshape(B, Qm, h, self.r)
+        o_lat = o_lat[batch.q_valid]                                            # [Tg, h, r]
         return torch.bmm(o_lat.transpose(0, 1), self.w_vc.to(o_lat.dtype)).transpose(0, 1)     # [Tg, h, dv]
+
+    def _online_softmax(self, q, kv_chunk, mask, K: int, bytes_per_key: int) -> torch.Tensor:
+        """Attention over key chunks with an online softmax (fp32 running max / sum / output), so the
+        gathered (and, for naive MLA, expanded) context and the chunk's scores stay within
+        `_ATTN_BYTES`: GLM-5 naive MLA at TP1 expands ~90 KB per context token (11.8 GB at 128k).
+        A loop over key chunks, not tokens; taken only when the one-shot form would exceed the bound.
+
+        q [B, Qm, H, D]; kv_chunk(k0, k1) -> K [B, n, H, D] and V [B, n, H, Dv] per head, or
+        [B, n, D] / [B, n, Dv] shared by all heads (MQA); mask [B, Qm, K] -> [B, Qm, H, Dv] (q.dtype).
+        """
+        B, Qm, H, _ = q.shape
+        kc = max(16, _ATTN_BYTES // (bytes_per_key + B * Qm * H * 4 * 3))     # + fp32 scores / probs
+        m = q.new_full((B, Qm, H), float("-inf"), dtype=torch.float32)         # running max
+        l = q.new_zeros((B, Qm, H), dtype=torch.float32)                        # running sum
+        acc = None                                                              # running output
+        for k0 in range(0, K, kc):
+            k, v = kv_chunk(k0, k0 + kc)
+            n = k.shape[1]
+            shared = k.dim() == 3
+            s = torch.einsum("bqhd,bkd->bqhk" if shared else "bqhd,bkhd->bqhk", q, k).float().mul_(self.scale)
+            s.masked_fill_(~mask[:, :, None, k0:k0 + n], float("-inf"))         # [B, Qm, H, n]
+            m_new = torch.maximum(m, s.amax(-1))
+            m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)                # rows with nothing seen yet
+            p = torch.exp(s - m_safe[..., None])
+            corr = torch.exp(m - m_safe)
+            l = l * corr + p.sum(-1)
+            pv = torch.einsum("bqhk,bkd->bqhd" if shared else "bqhk,bkhd->bqhd", p, v.float())
+            acc = pv if acc is None else acc * corr[..., None] + pv
+            m = m_new
+        return (acc / l.clamp_min(1e-30)[..., None]).to(q.dtype)

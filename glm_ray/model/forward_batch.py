@@ -32,7 +32,7 @@ class AttnGroup:
 class ForwardBatch:
     positions: torch.Tensor      # [T] int64 position of each new token in its sequence
     slot_mapping: torch.Tensor   # [T] int64 flat KV slot (block * block_size + offset) the token writes
-    groups: tuple[AttnGroup, ...]  # decode group first, then prefill groups; every row of T once
+    groups: tuple[AttnGroup, ...]  # decode groups first, then prefill groups; every row of T once
     max_context_len: int         # host int: max over all sequences of cached + new tokens
 
     @property
@@ -73,25 +73,31 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
 
 
 def _partition(query_lens: list[int], context_lens: list[int]) -> list[tuple[list[int], str]]:
-    """Sequence indices per attention group: all decodes in one group, then the prefill chunks in
-    groups whose padded views stay within 2x their real rows (B * Qmax <= 2 * sum(q) and
+    """Sequence indices per attention group: decodes first, then prefill chunks, each split into
+    buckets whose padded views stay within 2x their real rows (B * Qmax <= 2 * sum(q) and
     B * Kmax <= 2 * sum(k)): one 8000-token chunk next to sixty 3-token chunks is not padded into
-    [61, 8000, ...]. Host-side, per sequence (not per token)."""
-    dec = [i for i, q in enumerate(query_lens) if q == 1]
+    [61, 8000, ...], nor 63 short chats' decodes to one 100k-token context. Host-side, per sequence
+    (not per token); homogeneous steps stay one group each."""
+    dec = sorted((i for i, q in enumerate(query_lens) if q == 1), key=lambda i: -context_lens[i])
     pre = sorted((i for i, q in enumerate(query_lens) if q > 1), key=lambda i: -query_lens[i])
-    out = [(dec, "absorbed")] if dec else []
+    return ([(b, "absorbed") for b in _buckets(dec, query_lens, context_lens)]
+            + [(b, "naive") for b in _buckets(pre, query_lens, context_lens)])
+
+
+def _buckets(order: list[int], query_lens: list[int], context_lens: list[int]) -> list[list[int]]:
+    out: list[list[int]] = []
     cur: list[int] = []
-    sq = sk = kmax = 0
-    for i in pre:
+    sq = sk = qmax = kmax = 0
+    for i in order:
         q, k = query_lens[i], context_lens[i]
-        n, qmax, km = len(cur) + 1, (query_lens[cur[0]] if cur else q), max(kmax, k)
-        if cur and (n * qmax > 2 * (sq + q) or n * km > 2 * (sk + k)):
-            out.append((cur, "naive"))
-            cur, sq, sk, km = [], 0, 0, k
+        n = len(cur) + 1
+        if cur and (n * max(qmax, q) > 2 * (sq + q) or n * max(kmax, k) > 2 * (sk + k)):
+            out.append(cur)
+            cur, sq, sk, qmax, kmax = [], 0, 0, 0, 0
         cur.append(i)
-        sq, sk, kmax = sq + q, sk + k, km
+        sq, sk, qmax, kmax = sq + q, sk + k, max(qmax, q), max(kmax, k)
     if cur:
-        out.append((cur, "naive"))
+        out.append(cur)
     return out
 
 

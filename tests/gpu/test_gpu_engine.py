@@ -63,12 +63,12 @@ def test_profiled_activation_peak_covers_the_largest_step(oracle_dir):
 
 
 def test_key_chunked_long_context_path_matches_one_shot_on_gpu(oracle_dir, monkeypatch):
-    """The long-context naive MLA (key chunks, online softmax) gives the one-shot SDPA path's greedy
-    tokens and logprobs on the GPU in fp32 (both exact attention; only the reduction order differs)."""
+    """The key-chunked MLA (online softmax, both forms) gives the one-shot SDPA path's greedy tokens
+    and logprobs on the GPU in fp32 (both exact attention; only the reduction order differs)."""
     import glm_ray.layers.mla as mla
     torch.backends.cuda.matmul.allow_tf32 = False
     one_shot = _run(oracle_dir, "cuda", "float32")
-    monkeypatch.setattr(mla, "_NAIVE_BYTES", 1)
+    monkeypatch.setattr(mla, "_ATTN_BYTES", 1)
     chunked = _run(oracle_dir, "cuda", "float32")
     for a, b in zip(one_shot, chunked):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids

@@ -117,16 +117,36 @@ def test_indexer_query_chunks_and_mixed_steps_match_transformers(oracle_dir, mon
     _check(oracle_dir, outs, prompts, k=2)
 
 
-def test_long_context_key_chunked_naive_attention_matches_transformers(oracle_dir, monkeypatch):
-    """Above a memory bound the naive (prefill) MLA walks the context in key chunks with an online
-    softmax; with a 1-byte bound every chunk is 16 keys, and chunked prefills of 57- and 40-token
-    prompts (contexts of up to 57 keys: several chunks, some fully masked for early queries) still
-    match the oracle, sparse DSA mask included."""
+def test_long_context_key_chunked_attention_matches_transformers(oracle_dir, monkeypatch):
+    """Above a memory bound both MLA forms (naive prefill, absorbed decode) walk the context in key
+    chunks with an online softmax; with a 1-byte bound every chunk is 16 keys, and chunked prefills
+    of 57- and 40-token prompts plus their decodes (contexts of up to 63 keys: several chunks, some
+    fully masked for early queries) still match the oracle, sparse DSA mask included."""
     import glm_ray.layers.mla as mla
-    monkeypatch.setattr(mla, "_NAIVE_BYTES", 1)
+    monkeypatch.setattr(mla, "_ATTN_BYTES", 1)
     prompts = _prompts((57, 40), seed=6)
     outs = _engine(oracle_dir, max_num_batched_tokens=24).generate(
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2),
         use_tqdm=False)
+    _check(oracle_dir, outs, prompts, k=2)
+
+
+def test_decode_buckets_match_transformers(oracle_dir, monkeypatch):
+    """A long and two short requests decoding together are split into context buckets (several
+    absorbed groups in one step) and still match the oracle."""
+    import glm_ray.model.forward_batch as fb
+    seen = []
+    orig = fb.build_forward_batch
+
+    def spy(*a, **k):
+        b = orig(*a, **k)
+        seen.append(sum(g.mla_mode == "absorbed" for g in b.groups))
+        return b
+    monkeypatch.setattr("glm_ray.worker.model_runner.build_forward_batch", spy)
+    prompts = _prompts((57, 3, 4), seed=7)
+    outs = _engine(oracle_dir).generate([{"prompt_token_ids": p} for p in prompts],
+                                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2,
+                                                       prompt_logprobs=2), use_tqdm=False)
+    assert max(seen) >= 2, seen
     _check(oracle_dir, outs, prompts, k=2)
