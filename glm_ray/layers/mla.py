@@ -93,11 +93,14 @@ class MLAAttention(nn.Module):
 
         o = q_nope.new_empty(T, self.h, self.dv)                                # [T, h, dv]
         masks = []
-        for gi, g in enumerate(batch.groups):                                   # decode group, prefill buckets
+        iq = None                                                               # index queries, when needed
+        for gi, g in enumerate(batch.groups):                                   # decode groups, prefill buckets
             mask = g.causal                                                     # [B, Qmax, Kmax]
             if self.indexer is not None:
-                sel = self.indexer.select(x, q_resid, g, rope, index_cache)
-                mask = sel if sel is not None else mask
+                # while every context fits in index_topk, selection = dense causal (no scoring)
+                if g.max_context_len > self.indexer.topk:
+                    iq = iq if iq is not None else self.indexer.queries(x, q_resid, rope)
+                    mask = self.indexer.select(g, iq, index_cache)
             elif self.uses_dsa and prev_mask is not None:
                 mask = prev_mask[gi]
             masks.append(mask)

@@ -104,8 +104,8 @@ def test_greedy_64_tokens_equal_transformers_generate(oracle_dir):
 
 
 def test_indexer_query_chunks_and_mixed_steps_match_transformers(oracle_dir, monkeypatch):
-    """The indexer scores query chunks (bounded memory at long context): with a 1-byte budget every
-    query row is its own chunk, and a 48-token prompt prefilled in 16-token chunks next to decoding
+    """The indexer scores tiles (bounded memory at long context): with a 1-byte budget every query
+    row is its own tile and keys come in tiles of index_topk whose top-k are merged, and a 48-token prompt prefilled in 16-token chunks next to decoding
     requests (mixed steps: an absorbed decode group + a naive prefill group) still matches the oracle."""
     import glm_ray.layers.indexer as indexer
     monkeypatch.setattr(indexer, "_SCORE_BYTES", 1)
