@@ -20,7 +20,7 @@ import time
 import torch
 
 from glm_ray.bench.table import append_rows, print_rows
-from glm_ray.model.forward_batch import build_forward_batch
+from glm_ray.model.forward_batch import build_forward_batch, contiguous_block_tables
 from glm_ray.quant.fp8_proj import Fp8ProjGemmMethod
 
 _OFF = 1 << 62                      # min_tokens no batch exceeds: the bf16 path
@@ -57,10 +57,8 @@ def run(model: str | None, tokens: list[int], seq_len: int, iters: int, **engine
     rows = []
     for M in tokens:
         qlens = [seq_len] * (M // seq_len) + ([M % seq_len] if M % seq_len else [])
-        tables, nb = [], 0
-        for q in qlens:
-            tables.append(list(range(nb, nb + -(-q // bs))))
-            nb += len(tables[-1])
+        tables = contiguous_block_tables(qlens, bs)
+        nb = sum(map(len, tables))
         if nb > runner.kv_caches[0].shape[0] // bs:
             raise SystemExit(f"M={M}: the KV cache holds {runner.kv_caches[0].shape[0] // bs} blocks, {nb} needed")
         batch = build_forward_batch(qlens, qlens, tables, bs, dev, llm.config.mla_mode)

@@ -316,6 +316,19 @@ def _pyplot():
     return plt
 
 
+def _save_figure(plt, fig, axes, path: str | Path, title: str) -> Path:
+    """Legend on the first panel, optional title, tight layout, PNG at `path` (parents created)."""
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
 def plot_latency(series: dict[str, Sequence[AggRow]], path: str | Path, title: str = "") -> Path:
     """TTFT, ITL and E2EL (mean solid, p99 dashed) vs concurrency, one colour per label."""
     plt = _pyplot()
@@ -337,15 +350,7 @@ def plot_latency(series: dict[str, Sequence[AggRow]], path: str | Path, title: s
         ax.set_ylabel(f"{name} (ms)")
         ax.set_title(name)
         ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return _save_figure(plt, fig, axes, path, title)
 
 
 def plot_throughput(series: dict[str, Sequence[AggRow]], path: str | Path, title: str = "") -> Path:
@@ -365,15 +370,7 @@ def plot_throughput(series: dict[str, Sequence[AggRow]], path: str | Path, title
         ax.set_ylabel("output tok/s")
         ax.set_title(f"output throughput vs {name.split(' ')[1]}")
         ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return _save_figure(plt, fig, axes, path, title)
 
 
 def write_plots(series: dict[str, Sequence[AggRow]], prefix: str | Path, title: str = "") -> list[Path]:

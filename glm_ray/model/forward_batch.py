@@ -72,6 +72,17 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
                         max_context_len=int(cl.max()))
 
 
+def contiguous_block_tables(query_lens: list[int], block_size: int) -> list[list[int]]:
+    """Block tables for fresh sequences of these lengths laid out back to back from block 0 (profile
+    and benchmark steps that own a scratch cache)."""
+    tables, nxt = [], 0
+    for q in query_lens:
+        n = -(-q // block_size)
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    return tables
+
+
 def _partition(query_lens: list[int], context_lens: list[int]) -> list[tuple[list[int], str]]:
     """Sequence indices per attention group: decodes first, then prefill chunks, each split into
     buckets whose padded views stay within 2x their real rows (B * Qmax <= 2 * sum(q) and

@@ -484,13 +484,8 @@ class CompletionResponse(BaseModel):
     system_fingerprint: Optional[str] = None
 
 
-class CompletionResponseStreamChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogProbs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
-    prompt_logprobs: Optional[PromptLogprobs] = None
+class CompletionResponseStreamChoice(CompletionResponseChoice):
+    """A stream chunk's choice: the same fields, `text` being the new text only."""
 
 
 class CompletionStreamResponse(BaseModel):

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from glm_ray.config import EngineConfig, ModelConfig
-from glm_ray.distributed.parallel_state import collective_timer, tp_rank, tp_size
+from glm_ray.distributed.parallel_state import collective_timer, tp_rank
 from glm_ray.engine.kv_cache import kv_bytes_per_token
 from glm_ray.engine.outputs import LogprobDict
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.scheduler import SchedulerOutput
-from glm_ray.model.forward_batch import build_forward_batch
+from glm_ray.model.forward_batch import build_forward_batch, contiguous_block_tables
 from glm_ray.worker.sampler import SamplingRow, gather_logprobs, sample, to_logprob_dict
 
 logger = logging.getLogger(__name__)
@@ -160,10 +160,8 @@ def profile_activation_bytes(cfg: EngineConfig, model_cfg: ModelConfig, model: t
     # NOTE: [T-2, 2] is the widest padded view the prefill bucketing allows for T tokens (two
     # sequences padded to T-2 rows each ~ 2T rows; see forward_batch._partition).
     qlens = [T - 2, 2] if T >= 4 else [T]
-    tables, nblk = [], 0
-    for q in qlens:
-        tables.append(list(range(nblk, nblk + -(-q // bs))))
-        nblk += len(tables[-1])
+    tables = contiguous_block_tables(qlens, bs)
+    nblk = sum(map(len, tables))
     kv = [torch.zeros(nblk * bs, model_cfg.kv_cache_dim, dtype=model_cfg.dtype, device=device)
           for _ in range(model_cfg.num_hidden_layers)]
     idx = {l: torch.zeros(nblk * bs, model_cfg.index_head_dim, dtype=model_cfg.dtype, device=device)

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from glm_ray.model.forward_batch import build_forward_batch
+from glm_ray.model.forward_batch import build_forward_batch, contiguous_block_tables
 
 
 def _tables(context_lens, bs):
-    nxt, out = 0, []
-    for c in context_lens:
-        n = -(-c // bs)
-        out.append(list(range(nxt, nxt + n)))
-        nxt += n
-    return out
+    return contiguous_block_tables(context_lens, bs)
 
 
 def test_mixed_step_splits_into_decode_and_prefill_groups():

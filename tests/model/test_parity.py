@@ -43,6 +43,16 @@ def _check(path, outs, prompts, k=3):
     assert worst_prompt < TOL and worst_gen < TOL, (worst_prompt, worst_gen)
 
 
+def _generate_and_check(path, lengths, seed, max_tokens, **engine_kw):
+    """Greedy generation with 2 (prompt) logprobs, checked against the oracle."""
+    prompts = _prompts(lengths, seed=seed)
+    outs = _engine(path, **engine_kw).generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2),
+        use_tqdm=False)
+    _check(path, outs, prompts, k=2)
+
+
 @pytest.mark.parametrize("mla_mode", ["auto", "naive", "absorbed"])
 @pytest.mark.parametrize("chunk", [2048, 7], ids=["one-shot-prefill", "chunked-prefill"])
 def test_logprobs_match_transformers(oracle_dir, mla_mode, chunk):
@@ -105,16 +115,12 @@ def test_greedy_64_tokens_equal_transformers_generate(oracle_dir):
 
 def test_indexer_query_chunks_and_mixed_steps_match_transformers(oracle_dir, monkeypatch):
     """The indexer scores tiles (bounded memory at long context): with a 1-byte budget every query
-    row is its own tile and keys come in tiles of index_topk whose top-k are merged, and a 48-token prompt prefilled in 16-token chunks next to decoding
-    requests (mixed steps: an absorbed decode group + a naive prefill group) still matches the oracle."""
+    row is its own tile and keys come in tiles of index_topk whose top-k are merged, and a 48-token
+    prompt prefilled in 16-token chunks next to decoding requests (mixed steps: an absorbed decode
+    group + a naive prefill group) still matches the oracle."""
     import glm_ray.layers.indexer as indexer
     monkeypatch.setattr(indexer, "_SCORE_BYTES", 1)
-    prompts = _prompts((9, 48, 21), seed=5)
-    outs = _engine(oracle_dir, max_num_batched_tokens=16).generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2),
-        use_tqdm=False)
-    _check(oracle_dir, outs, prompts, k=2)
+    _generate_and_check(oracle_dir, (9, 48, 21), seed=5, max_tokens=10, max_num_batched_tokens=16)
 
 
 def test_long_context_key_chunked_attention_matches_transformers(oracle_dir, monkeypatch):
@@ -124,12 +130,7 @@ def test_long_context_key_chunked_attention_matches_transformers(oracle_dir, mon
     fully masked for early queries) still match the oracle, sparse DSA mask included."""
     import glm_ray.layers.mla as mla
     monkeypatch.setattr(mla, "_ATTN_BYTES", 1)
-    prompts = _prompts((57, 40), seed=6)
-    outs = _engine(oracle_dir, max_num_batched_tokens=24).generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2),
-        use_tqdm=False)
-    _check(oracle_dir, outs, prompts, k=2)
+    _generate_and_check(oracle_dir, (57, 40), seed=6, max_tokens=6, max_num_batched_tokens=24)
 
 
 def test_decode_buckets_match_transformers(oracle_dir, monkeypatch):
@@ -144,9 +145,5 @@ def test_decode_buckets_match_transformers(oracle_dir, monkeypatch):
         seen.append(sum(g.mla_mode == "absorbed" for g in b.groups))
         return b
     monkeypatch.setattr("glm_ray.worker.model_runner.build_forward_batch", spy)
-    prompts = _prompts((57, 3, 4), seed=7)
-    outs = _engine(oracle_dir).generate([{"prompt_token_ids": p} for p in prompts],
-                                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2,
-                                                       prompt_logprobs=2), use_tqdm=False)
+    _generate_and_check(oracle_dir, (57, 3, 4), seed=7, max_tokens=6)
     assert max(seen) >= 2, seen
-    _check(oracle_dir, outs, prompts, k=2)
