@@ -24,6 +24,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share of GPU memory for weights + activations + KV cache (KV gets what is left)")
     p.add_argument("--fp8-proj-gemm", action="store_true", default=None,
                    help="prefill-only FP8 GEMM for MLA q_b_proj/o_proj (also GLM_RAY_FP8_PROJ_GEMM=1)")
+    p.add_argument("--fp8-proj-min-tokens", type=int, default=512,
+                   help="with --fp8-proj-gemm: forward batches of more than this many tokens take the FP8 GEMM "
+                        "(H200 step A/B: FP8 pays from ~1-2k tokens at GLM-5 shapes, only above 4096 at glm5-flash-31b's)")
 
 
 def cmd_make_tiny(a) -> int:
@@ -47,7 +50,7 @@ def cmd_generate(a) -> int:
               kernel_backend=a.kernel_backend, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
               block_size=a.block_size, gpu_memory_utilization=a.gpu_memory_utilization,
-              fp8_proj_gemm=a.fp8_proj_gemm)
+              fp8_proj_gemm=a.fp8_proj_gemm, fp8_proj_min_tokens=a.fp8_proj_min_tokens)
     tok = llm.get_tokenizer()
     prompts = a.prompt or ["Hello, my name is"]
     if a.chat and tok is not None:
@@ -77,7 +80,8 @@ def cmd_serve(a) -> int:
     args = {"model": a.model or "tiny", "tp": a.tp, "device": a.device, "dtype": a.dtype,
             "load_format": a.load_format, "kernel_backend": a.kernel_backend, "max_num_seqs": a.max_num_seqs,
             "max_num_batched_tokens": a.max_num_batched_tokens, "max_model_len": a.max_model_len,
-            "block_size": a.block_size, "gpu_memory_utilization": a.gpu_memory_utilization}
+            "block_size": a.block_size, "gpu_memory_utilization": a.gpu_memory_utilization,
+            "fp8_proj_min_tokens": a.fp8_proj_min_tokens}
     if a.fp8_proj_gemm is not None:
         args["fp8_proj_gemm"] = True
     if a.served_model_name:

@@ -285,6 +285,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
+    def __post_init__(self):
+        if self.fp8_proj_min_tokens < 0:
+            raise ValueError(f"fp8_proj_min_tokens must be >= 0, got {self.fp8_proj_min_tokens}")
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device

@@ -10,14 +10,14 @@
 # spread between two lifetimes was larger than the effect, see docs/measurements/2026-11-30). The compare
 # table is written once both result files exist. For the flag's effect on one step without serving noise:
 #   python -m glm_ray.bench.fp8_proj_step $MODEL --load-format dummy --device cuda --dtype bfloat16
-# DEVICE=cpu DTYPE=float32 MODEL=glm5-tiny checks the script here.
+# MIN_TOKENS sets the FP8 gate (default 512). DEVICE=cpu DTYPE=float32 MODEL=glm5-tiny checks the script here.
 set -uo pipefail
 MODEL=${MODEL:-glm5-slice-6l}; TP=${TP:-1}; IN=${IN:-1024}; OUT_LEN=${OUT_LEN:-1024}; REPS=${REPS:-3}
 CONC=${CONC:-"4 8 16 32 64"}; FLAGS=${FLAGS:-"off on"}; DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}
-MAX_SEQS=${MAX_SEQS:-64}; OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+MAX_SEQS=${MAX_SEQS:-64}; MIN_TOKENS=${MIN_TOKENS:-512}; OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 export RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
 for FLAG in $FLAGS; do
-  EXTRA=""; [ $FLAG = on ] && EXTRA="--fp8-proj-gemm"
+  EXTRA=""; [ $FLAG = on ] && EXTRA="--fp8-proj-gemm --fp8-proj-min-tokens $MIN_TOKENS"
   LOG=$OUT/serve_${MODEL}_tp${TP}_fp8$FLAG.log
   python3 -m glm_ray.cli serve $MODEL --load-format dummy --device $DEVICE --dtype $DTYPE --tp $TP \
       --max-num-seqs $MAX_SEQS --max-num-batched-tokens 8192 --port 8000 $EXTRA > $LOG 2>&1 &

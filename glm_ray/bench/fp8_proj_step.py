@@ -103,7 +103,7 @@ def run(model: str | None, tokens: list[int], seq_len: int, iters: int, **engine
             err = max(err, float((m.apply(mod, x).float() - ref).norm() / ref.norm()))
         med = lambda v: statistics.median(v) * 1e3
         s_on, s_off, g_on, g_off = med(t[True]), med(t[False]), med(p[True]), med(p[False])
-        rows.append({"tokens": M, "seq_len": seq_len, "iters": iters, "num_projections": len(projs),
+        rows.append({"model": model, "tokens": M, "seq_len": seq_len, "iters": iters, "num_projections": len(projs),
                      "step_ms_off": s_off, "step_ms_on": s_on, "step_delta": s_on / s_off - 1,
                      "proj_ms_off": g_off, "proj_ms_on": g_on, "proj_share_off": g_off / s_off,
                      "expected_step_delta": (g_on - g_off) / s_off,

@@ -48,6 +48,8 @@ class ServeArgs:
             raise ValueError(f"tp must be >= 1, got {args.tp}")
         if not 0.0 < args.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+        if args.fp8_proj_min_tokens < 0:
+            raise ValueError(f"fp8_proj_min_tokens must be >= 0, got {args.fp8_proj_min_tokens}")
         return args
 
     def resolved_model(self) -> str:

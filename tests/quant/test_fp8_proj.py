@@ -127,3 +127,26 @@ def test_long_prefill_takes_fp8_path(tiny_dir, monkeypatch, spy):
     assert spy.count(700) == 2 * L                   # q_b_proj + o_proj of every layer in the prefill
     assert len(spy) == 2 * L                         # and nothing during the 3 decode steps
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_threshold_is_configurable_from_cli_to_layer(tiny_dir, monkeypatch, spy):
+    from glm_ray.cli import build_parser
+    from glm_ray.serve.args import ServeArgs
+    for cmd in ("serve", "generate"):
+        a = build_parser().parse_args([cmd, "--fp8-proj-gemm", "--fp8-proj-min-tokens", "100"])
+        assert (a.fp8_proj_gemm, a.fp8_proj_min_tokens) == (True, 100)
+    assert build_parser().parse_args(["serve"]).fp8_proj_min_tokens == 512
+    for bad in ({"fp8_proj_min_tokens": -1},):
+        with pytest.raises(ValueError, match="fp8_proj_min_tokens"):
+            ServeArgs.from_dict(bad)
+        with pytest.raises(ValueError, match="fp8_proj_min_tokens"):
+            LLM(tiny_dir, fp8_proj_gemm=True, **bad)
+    monkeypatch.setenv("GLM_RAY_FP8_PROJ_FORCE", "1")
+    llm = LLM(tiny_dir, dtype="float32", kv_cache_memory_bytes=16 << 20, fp8_proj_gemm=True,
+              fp8_proj_min_tokens=100)
+    calls = spy()
+    g = torch.Generator().manual_seed(2)
+    for n in (100, 101):                              # the gate is M > min_tokens, as at 512
+        llm.generate([{"prompt_token_ids": torch.randint(10, 1000, (n,), generator=g).tolist()}],
+                     SamplingParams(max_tokens=1), use_tqdm=False)
+    assert set(calls) == {101} and len(calls) == 2 * llm.engine.model_cfg.num_hidden_layers
