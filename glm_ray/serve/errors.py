@@ -1,6 +1,7 @@
 """HTTP errors of the OpenAI API: any exception (engine errors, Ray's wrappers of them, Serve
 back-pressure, dead actors) -> `APIError` with the right status, and the FastAPI handlers that make
 every error leave in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`)."""
+import functools
 import logging
 import math
 
@@ -84,6 +85,22 @@ def _engine_error(e: EngineError) -> APIError:
 
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.to_dict(), status_code=err.status_code, headers=err.headers or None)
+
+
+def openai_errors(what: str | None = None):
+    """Endpoint decorator: whatever the handler raises leaves as an OpenAI error response (the status
+    from `map_exception`); failures that are not the client's (`what` set) are also logged."""
+    def deco(handler):
+        @functools.wraps(handler)               # keeps the signature FastAPI / Serve inspect
+        async def wrapper(*args, **kwargs):
+            try:
+                return await handler(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001
+                if what is not None and not isinstance(e, APIError):
+                    logger.warning("%s request failed: %r", what, e)
+                return error_response(map_exception(e))
+        return wrapper
+    return deco
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -24,7 +24,7 @@ from ray import serve
 
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.serve.detok import TokenStrings
-from glm_ray.serve.errors import error_response, install_error_handlers, map_exception
+from glm_ray.serve.errors import error_response, install_error_handlers, map_exception, openai_errors
 from glm_ray.serve.fanout import EventStream, Fanout, SubRequest, pad_logprobs
 from glm_ray.serve.protocol import (
     SSE_DONE, APIError, ChatChoiceLogprobs, ChatCompletionRequest, ChatCompletionResponse,
@@ -224,21 +224,17 @@ class OpenAIIngress:
                          max_model_len=info.get("max_model_len"), vocab_size=info.get("vocab_size"))
 
     @app.get("/v1/models")
+    @openai_errors()
     async def list_models(self):
-        try:
-            info = await self._info()
-            return JSONResponse(ModelList(data=[self._model_card(info)]).model_dump())
-        except Exception as e:  # noqa: BLE001
-            return error_response(map_exception(e))
+        info = await self._info()
+        return JSONResponse(ModelList(data=[self._model_card(info)]).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
+    @openai_errors()
     async def get_model(self, model_id: str):
-        try:
-            self._check_model(model_id)
-            info = await self._info()
-            return JSONResponse(self._model_card(info).model_dump())
-        except Exception as e:  # noqa: BLE001
-            return error_response(map_exception(e))
+        self._check_model(model_id)
+        info = await self._info()
+        return JSONResponse(self._model_card(info).model_dump())
 
     @app.get("/health")
     async def health(self):
@@ -260,62 +256,54 @@ class OpenAIIngress:
         return JSONResponse({"version": v})
 
     @app.post("/tokenize")
+    @openai_errors()
     async def tokenize(self, request: Request):
-        try:
-            req = parse_tokenize_body(await request.body())
-            self._check_model(req.model)
-            info = await self._info()
-            if isinstance(req, TokenizeChatRequest):
-                ids = await self._chat_prompt_ids(req)
-            else:
-                ids = await self._run_blocking(
-                    lambda: self.tokenizer.encode(req.prompt, add_special_tokens=bool(req.add_special_tokens)),
-                    len(req.prompt))
-            strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-            return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=int(info["max_model_len"]),
-                                                 tokens=ids, token_strs=strs).model_dump())
-        except Exception as e:  # noqa: BLE001
-            return error_response(map_exception(e))
+        req = parse_tokenize_body(await request.body())
+        self._check_model(req.model)
+        info = await self._info()
+        if isinstance(req, TokenizeChatRequest):
+            ids = await self._chat_prompt_ids(req)
+        else:
+            ids = await self._run_blocking(
+                lambda: self.tokenizer.encode(req.prompt, add_special_tokens=bool(req.add_special_tokens)),
+                len(req.prompt))
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=int(info["max_model_len"]),
+                                             tokens=ids, token_strs=strs).model_dump())
 
     @app.post("/detokenize")
+    @openai_errors()
     async def detokenize(self, request: Request):
-        try:
-            req = parse_body(await request.body(), DetokenizeRequest)
-            self._check_model(req.model)
-            info = await self._info()
-            vocab = max(int(info.get("vocab_size") or 0), len(self.tokenizer))
-            check_token_ids(req.tokens, vocab, param="tokens")
-            ids = [t for t in req.tokens if t < len(self.tokenizer)]   # padded vocab rows decode to ""
-            text = self.tokenizer.decode(ids, skip_special_tokens=False)
-            return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
-        except Exception as e:  # noqa: BLE001
-            return error_response(map_exception(e))
+        req = parse_body(await request.body(), DetokenizeRequest)
+        self._check_model(req.model)
+        info = await self._info()
+        vocab = max(int(info.get("vocab_size") or 0), len(self.tokenizer))
+        check_token_ids(req.tokens, vocab, param="tokens")
+        ids = [t for t in req.tokens if t < len(self.tokenizer)]   # padded vocab rows decode to ""
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     # ---------------- /v1/completions ----------------
 
     @app.post("/v1/completions")
+    @openai_errors("completion")
     async def completions(self, request: Request):
+        req = parse_body(await request.body(), CompletionRequest)
+        self._check_model(req.model)
+        info = await self._info()
+        max_model_len = int(info["max_model_len"])
+        prompts = await self._completion_prompts(req, int(info.get("vocab_size") or 1 << 31))
+        params = [self._params(req, len(ids), max_model_len, "prompt") for _, ids in prompts]
+        base_id = random_id("cmpl")
+        subs = self._make_subs(base_id, prompts, params)
+        fan = await self._start(subs)
+        prompt_lens = [len(ids) for _, ids in prompts]
+        if req.stream:
+            return EventStream(self._completion_stream(req, base_id, fan, prompt_lens), fan.close)
         try:
-            req = parse_body(await request.body(), CompletionRequest)
-            self._check_model(req.model)
-            info = await self._info()
-            max_model_len = int(info["max_model_len"])
-            prompts = await self._completion_prompts(req, int(info.get("vocab_size") or 1 << 31))
-            params = [self._params(req, len(ids), max_model_len, "prompt") for _, ids in prompts]
-            base_id = random_id("cmpl")
-            subs = self._make_subs(base_id, prompts, params)
-            fan = await self._start(subs)
-            prompt_lens = [len(ids) for _, ids in prompts]
-            if req.stream:
-                return EventStream(self._completion_stream(req, base_id, fan, prompt_lens), fan.close)
-            try:
-                return await self._completion_full(req, base_id, fan, prompt_lens)
-            finally:
-                fan.close()
-        except Exception as e:  # noqa: BLE001
-            if not isinstance(e, APIError):
-                logger.warning("completion request failed: %r", e)
-            return error_response(map_exception(e))
+            return await self._completion_full(req, base_id, fan, prompt_lens)
+        finally:
+            fan.close()
 
     def _echo_text(self, s: SubRequest) -> str:
         if s.prompt_text is not None:
@@ -413,27 +401,23 @@ class OpenAIIngress:
     # ---------------- /v1/chat/completions ----------------
 
     @app.post("/v1/chat/completions")
+    @openai_errors("chat")
     async def chat_completions(self, request: Request):
+        req = parse_body(await request.body(), ChatCompletionRequest)
+        self._check_model(req.model)
+        info = await self._info()
+        max_model_len = int(info["max_model_len"])
+        ids = await self._chat_prompt_ids(req)
+        sp = self._params(req, len(ids), max_model_len, "messages")
+        base_id = random_id("chatcmpl")
+        subs = self._make_subs(base_id, [(None, ids)], [sp])
+        fan = await self._start(subs)
+        if req.stream:
+            return EventStream(self._chat_stream(req, base_id, fan, [len(ids)]), fan.close)
         try:
-            req = parse_body(await request.body(), ChatCompletionRequest)
-            self._check_model(req.model)
-            info = await self._info()
-            max_model_len = int(info["max_model_len"])
-            ids = await self._chat_prompt_ids(req)
-            sp = self._params(req, len(ids), max_model_len, "messages")
-            base_id = random_id("chatcmpl")
-            subs = self._make_subs(base_id, [(None, ids)], [sp])
-            fan = await self._start(subs)
-            if req.stream:
-                return EventStream(self._chat_stream(req, base_id, fan, [len(ids)]), fan.close)
-            try:
-                return await self._chat_full(req, base_id, fan, [len(ids)])
-            finally:
-                fan.close()
-        except Exception as e:  # noqa: BLE001
-            if not isinstance(e, APIError):
-                logger.warning("chat request failed: %r", e)
-            return error_response(map_exception(e))
+            return await self._chat_full(req, base_id, fan, [len(ids)])
+        finally:
+            fan.close()
 
     async def _chat_full(self, req: ChatCompletionRequest, base_id: str, fan: Fanout,
                          prompt_lens: list[int]) -> JSONResponse:
