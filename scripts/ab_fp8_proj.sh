@@ -21,13 +21,15 @@ for FLAG in $FLAGS; do
   LOG=$OUT/serve_${MODEL}_tp${TP}_fp8$FLAG.log
   python3 -m glm_ray.cli serve $MODEL --load-format dummy --device $DEVICE --dtype $DTYPE --tp $TP \
       --max-num-seqs $MAX_SEQS --max-num-batched-tokens 8192 --port 8000 $EXTRA > $LOG 2>&1 &
+  SERVER=$!
   for i in $(seq 1 300); do curl -sf 127.0.0.1:8000/v1/models >/dev/null && break; grep -q Traceback $LOG && break; sleep 2; done
   if ! curl -sf 127.0.0.1:8000/v1/models >/dev/null; then echo "server did not come up:"; tail -30 $LOG; exit 1; fi
   grep -E "fp8_proj_gemm|orchestration|KV cache" $LOG | tail -3
   python3 -m glm_ray.bench.cli --base-url http://127.0.0.1:8000 --input-len $IN --output-len $OUT_LEN \
       --concurrency $CONC --repetitions $REPS --label fp8_proj=$FLAG --no-plot --no-progress \
       --result-file $OUT/${MODEL}_tp${TP}_fp8$FLAG.jsonl 2>&1 | tail -12
-  pkill -f "glm_ray.cli serve"; sleep 5; ray stop --force >/dev/null 2>&1; sleep 3
+  # by PID: `pkill -f "glm_ray.cli serve"` also matched any caller whose command line held that text
+  kill $SERVER 2>/dev/null; sleep 5; ray stop --force >/dev/null 2>&1; sleep 3
 done
 A=$OUT/${MODEL}_tp${TP}_fp8off.jsonl; B=$OUT/${MODEL}_tp${TP}_fp8on.jsonl
 [ -s $A ] && [ -s $B ] || exit 0
