@@ -4,6 +4,7 @@
 #   PART=step  bash scripts/device_h200_fp8proj.sh   # in-process step A/B, slice-6l + flash-31b (~4 min)
 #   PART=legs1 bash scripts/device_h200_fp8proj.sh   # served slice-6l, legs off then on (~8 min)
 #   PART=legs2 bash scripts/device_h200_fp8proj.sh   # served slice-6l, legs on then off (~8 min)
+#   PART=flash bash scripts/device_h200_fp8proj.sh   # served flash-31b, one rep per leg, on then off (~6 min)
 # legs1 + legs2 give 4 reps per flag from two server lifetimes each, in ABBA order; compare locally:
 #   python -m glm_ray.bench.cli --compare <off files concatenated> <on files concatenated>
 set -uo pipefail
@@ -17,12 +18,15 @@ case $PART in
           --tokens 1024 2048 4096 8192 --seq-len 1024 --iters 10 --json $OUT/fp8_proj_step.jsonl 2>&1 \
           | grep -vE "INFO|WARNING" | tail -6 >> $S
     done ;;
-  legs1|legs2)
+  legs1|legs2|flash)
     ORDER="off on"; [ $PART = legs2 ] && ORDER="on off"
+    M=glm5-slice-6l; OL=64; R=2; LIM=280
+    # flash: one more rep per flag of the flash-31b legs (session 12 ran off/on/on/off, 1 rep each)
+    [ $PART = flash ] && { ORDER=${FLASH_ORDER:-"on off"}; M=glm5-flash-31b; OL=32; R=1; LIM=195; }
     for F in $ORDER; do
-      OUT=$OUT/$F MODEL=glm5-slice-6l TP=1 IN=1024 OUT_LEN=64 REPS=2 FLAGS=$F timeout 280 \
+      OUT=$OUT/$F MODEL=$M TP=1 IN=1024 OUT_LEN=$OL REPS=$R FLAGS=$F timeout $LIM \
           bash scripts/ab_fp8_proj.sh 2>&1 | grep -E "^ +[0-9]|concurrency|rror" >> $S
-      mv $OUT/$F/glm5-slice-6l_tp1_fp8$F.jsonl $OUT/${PART}_fp8$F.jsonl 2>/dev/null; rm -rf $OUT/$F
+      cat $OUT/$F/${M}_tp1_fp8$F.jsonl >> $OUT/${PART}_fp8$F.jsonl 2>/dev/null; rm -rf $OUT/$F
     done ;;
 esac
 cat $S
