@@ -8,6 +8,7 @@ they accelerate and inherit the rest. `auto` picks by device/arch and is logged 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
@@ -37,6 +38,11 @@ class KernelOps:
     fused_moe_mxfp4: Callable | None = None
     # dense MXFP4 W4A4 linear: x [..., K], w uint8 [N, K/2], w_scale uint8 [N, K/32], act_mode -> [..., N]
     mxfp4_linear: Callable | None = None
+    # --- norms (torch_ref/norm.py): fp32 statistics, cast back, weight in the input dtype ---
+    # (x [T, D] (rows may be strided), weight [D], eps) -> [T, D]
+    rms_norm: Callable | None = None
+    # (x [T, D], residual [T, D], weight [D], eps) -> (rms_norm(x + residual), x + residual)
+    add_rms_norm: Callable | None = None
 
 
 _REGISTRY: dict[str, Callable[[], KernelOps]] = {}
@@ -52,8 +58,10 @@ def register(name: str):
 
 def _torch_ops() -> KernelOps:
     from glm_ray.kernels.torch_ref import block_fp8_linear, fused_moe
+    from glm_ray.kernels.torch_ref import norm
     from glm_ray.kernels.torch_ref import quant_ops as q
     return KernelOps(name="torch", block_fp8_linear=block_fp8_linear, fused_moe=fused_moe,
+                     rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm,
                      block_fp8_linear_prepare=q.block_fp8_linear_prepare, moe_quant_layout=q.moe_quant_layout,
                      moe_quant_prepare=q.moe_quant_prepare, fused_moe_block_fp8=q.fused_moe_block_fp8,
                      fused_moe_mxfp4=q.fused_moe_mxfp4, mxfp4_linear=q.mxfp4_linear)
@@ -103,10 +111,16 @@ def init_backend(name: str = "auto", device_type: str = "cpu") -> KernelOps:
         raise ValueError(f"unknown kernel backend {resolved!r}; known: {sorted(_REGISTRY)}")
     base = _torch_ops()
     ops = _REGISTRY[resolved]()
-    # Inherit anything the backend does not override from the torch reference.
-    missing = {f.name: getattr(base, f.name) for f in fields(KernelOps) if getattr(ops, f.name) is None}
-    _ACTIVE = replace(ops, **missing) if missing else ops
-    logger.info("kernel backend: %s (requested %s, device %s)", _ACTIVE.name, name, device_type)
+    # Inherit anything the backend does not override from the torch reference; GLM_RAY_TORCH_OPS
+    # (comma-separated op names) sends chosen ops to the reference too: A/B of one kernel in a run.
+    op_names = {f.name for f in fields(KernelOps)} - {"name"}
+    forced = {n.strip() for n in os.environ.get("GLM_RAY_TORCH_OPS", "").split(",") if n.strip()}
+    if forced - op_names:
+        raise ValueError(f"GLM_RAY_TORCH_OPS: unknown op(s) {sorted(forced - op_names)}; known: {sorted(op_names)}")
+    take = {n: getattr(base, n) for n in op_names if n in forced or getattr(ops, n) is None}
+    _ACTIVE = replace(ops, **take) if take else ops
+    logger.info("kernel backend: %s (requested %s, device %s)%s", _ACTIVE.name, name, device_type,
+                f"; torch reference for {sorted(forced)}" if forced else "")
     return _ACTIVE
 
 
