@@ -38,11 +38,6 @@ class KernelOps:
     fused_moe_mxfp4: Callable | None = None
     # dense MXFP4 W4A4 linear: x [..., K], w uint8 [N, K/2], w_scale uint8 [N, K/32], act_mode -> [..., N]
     mxfp4_linear: Callable | None = None
-    # --- norms (torch_ref/norm.py): fp32 statistics, cast back, weight in the input dtype ---
-    # (x [T, D] (rows may be strided), weight [D], eps) -> [T, D]
-    rms_norm: Callable | None = None
-    # (x [T, D], residual [T, D], weight [D], eps) -> (rms_norm(x + residual), x + residual)
-    add_rms_norm: Callable | None = None
 
 
 _REGISTRY: dict[str, Callable[[], KernelOps]] = {}
@@ -58,10 +53,8 @@ def register(name: str):
 
 def _torch_ops() -> KernelOps:
     from glm_ray.kernels.torch_ref import block_fp8_linear, fused_moe
-    from glm_ray.kernels.torch_ref import norm
     from glm_ray.kernels.torch_ref import quant_ops as q
     return KernelOps(name="torch", block_fp8_linear=block_fp8_linear, fused_moe=fused_moe,
-                     rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm,
                      block_fp8_linear_prepare=q.block_fp8_linear_prepare, moe_quant_layout=q.moe_quant_layout,
                      moe_quant_prepare=q.moe_quant_prepare, fused_moe_block_fp8=q.fused_moe_block_fp8,
                      fused_moe_mxfp4=q.fused_moe_mxfp4, mxfp4_linear=q.mxfp4_linear)

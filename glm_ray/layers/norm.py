@@ -1,13 +1,11 @@
-"""RMSNorm (fp32 statistics, cast back before the weight, as GLM checkpoints were trained; with the
-decoder layer's residual add fused in) and the indexer's LayerNorm. The math is the kernel backend's
-(`rms_norm` / `add_rms_norm`; reference: kernels/torch_ref/norm.py)."""
+"""RMSNorm (fp32 statistics, cast back before the weight, as GLM checkpoints were trained) and the
+indexer's LayerNorm."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glm_ray import kernels
 from glm_ray.layers.weights import load_sharded, set_weight_attrs
 
 
@@ -18,12 +16,10 @@ class RMSNorm(nn.Module):
         self.weight = set_weight_attrs(nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False),
                                        is_norm=True)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x [T, D] -> normed [T, D]; with `residual` -> (normed(x + residual), x + residual), the
-        residual add and the norm in one launch where the backend fuses them."""
-        if residual is None:
-            return kernels.ops().rms_norm(x, self.weight, self.eps)
-        return kernels.ops().add_rms_norm(x, residual, self.weight, self.eps)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics and normalization (F.rms_norm without a weight: one fused kernel where torch
+        # has one), cast back, then the weight in the input dtype
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     def weight_loader(self, param, ckpt, shard_id=None):
         load_sharded(param, ckpt, shard_dim=None, rank=0, tp=1)

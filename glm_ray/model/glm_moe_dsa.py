@@ -38,17 +38,11 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, quant_config=quant_config, prefix=f"{prefix}.mlp",
                            params_dtype=params_dtype, tp=tp, swiglu_limit=cfg.swiglu_limit)
 
-    def forward(self, x, residual, batch, rope, kv_cache, index_cache, prev_mask):
-        """x [T, D]: the previous layer's MLP output (the embeddings for layer 0, with residual None);
-        residual [T, D]: the stream before it. Each residual add is fused into the norm that follows
-        it (the last one into the model's final norm). -> (MLP output, residual stream, DSA mask)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)                    # x + residual, normed
-        h, mask = self.self_attn(h, batch, rope, kv_cache, index_cache, prev_mask)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual, mask
+    def forward(self, x, batch, rope, kv_cache, index_cache, prev_mask):
+        h, mask = self.self_attn(self.input_layernorm(x), batch, rope, kv_cache, index_cache, prev_mask)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, mask
 
 
 class MTPLayer(DecoderLayer):
@@ -87,10 +81,10 @@ class GlmMoeDsaModel(nn.Module):
                 index_caches: dict[int, torch.Tensor]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                                        # [T, D]
         rope = self.rotary_emb(batch.positions, x.dtype)                        # cos/sin [T, dr] each
-        residual = mask = None
+        mask = None
         for i in range(self.cfg.num_hidden_layers):
-            x, residual, mask = self.layers[i](x, residual, batch, rope, kv_caches[i], index_caches.get(i), mask)
-        return self.norm(x) if residual is None else self.norm(x, residual)[0]  # [T, D]
+            x, mask = self.layers[i](x, batch, rope, kv_caches[i], index_caches.get(i), mask)
+        return self.norm(x)
 
 
 class GlmMoeDsaForCausalLM(nn.Module):

@@ -316,30 +316,3 @@ def test_mxfp4_linear(ck):
             y = ck.mxfp4_linear(x, w, s, act_mode=mode)
             r = ref.mxfp4_linear(x.float(), w, s, act_mode=mode)
             _record("mxfp4_linear", rel_err(y, r), TOL["mxfp4"], n=n, k=k, m=m, act_mode=mode)
-
-
-# ------------------------------------------------------------------------------- RMSNorm
-
-@pytest.mark.parametrize("dtype", [BF16, torch.float16])
-def test_rms_norm_and_add_rms_norm(ck, dtype):
-    """GLM-5 norm widths (hidden 6144, q_lora 2048, kv_lora 512 as a strided slice of the 576-wide
-    kv_a output, flash hidden 2048) at decode and prefill row counts, against the torch reference on
-    the same GPU: the residual sum bitwise, the normed rows within 1 ulp (reduction order only)."""
-    from glm_ray.kernels.torch_ref import norm as ref_norm
-    g = torch.Generator(device=DEV).manual_seed(0)
-    mant = {BF16: 7, torch.float16: 10}[dtype]
-    for width, d in ((6144, 6144), (2048, 2048), (576, 512)):
-        for t in (1, 64, 4096):
-            wide = (torch.randn(t, width, generator=g, device=DEV) * 3).to(dtype)
-            x, r = wide[:, :d], torch.randn(t, d, generator=g, device=DEV).to(dtype)
-            w = (1 + 0.1 * torch.randn(d, generator=g, device=DEV)).to(dtype)
-            for got, want in ((ck.rms_norm(x, w, 1e-5), ref_norm.rms_norm(x, w, 1e-5)),
-                              (ck.add_rms_norm(x, r, w, 1e-5), ref_norm.add_rms_norm(x, r, w, 1e-5))):
-                if isinstance(got, tuple):
-                    assert torch.equal(got[1], want[1])
-                    got, want = got[0], want[0]
-                ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(2.0 ** -14))) - mant)
-                ulps = (got.float() - want.float()).abs() / ulp
-                REPORT.append({"op": f"rms_norm[{dtype}]", "d": d, "t": t, "max_ulp": float(ulps.max()),
-                               "equal_frac": float((ulps == 0).float().mean())})
-                assert ulps.max() <= 1 and (ulps == 0).float().mean() > 0.99, REPORT[-1]

@@ -17,8 +17,6 @@
   not CUDA, sm < 80, unknown act_mode, sizes not multiples of 32.
 * mxfp4_linear: MXFP4 qdq (Triton) + the Triton W4A16 GEMM in identity dispatch. Reference when: not
   CUDA, sm < 80, K % 32.
-* rms_norm / add_rms_norm: one Triton launch each (norm_kernels.py). Reference when: not CUDA, sm < 80,
-  x not bf16/fp16 or weight in another dtype, not [T, D <= 16384] with unit column stride.
 * moe_quant_layout / moe_quant_prepare: inherited from torch (no padding, no re-layout needed).
 * Any kernel exception (e.g. a Triton compile error on an untested GPU/Triton pair) marks that op
   broken for the process: logged with its traceback, reference from then on (`_guarded`).
@@ -39,7 +37,6 @@ import torch.nn.functional as F
 
 from glm_ray.kernels.cuda import layout as L
 from glm_ray.kernels.torch_ref import fused_moe as ref_fused_moe
-from glm_ray.kernels.torch_ref import norm as ref_norm
 from glm_ray.kernels.torch_ref import quant_ops as ref
 from glm_ray.kernels.torch_ref.fp8 import FP8_DTYPE
 from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
@@ -69,12 +66,10 @@ class CudaKernels:
         self.broken: dict[str, str] = {}                             # op -> first kernel error
         self._sm: dict[int, tuple[int, int]] = {}
         try:
-            from glm_ray.kernels.cuda import norm_kernels as nk     # noqa: PLC0415 (imports triton)
-            from glm_ray.kernels.cuda import triton_kernels as tk   # noqa: PLC0415
-            self.tk, self.nk, self.triton_error = tk, nk, None
+            from glm_ray.kernels.cuda import triton_kernels as tk   # noqa: PLC0415 (imports triton)
+            self.tk, self.triton_error = tk, None
         except Exception as e:                                      # noqa: BLE001 — any import failure
-            self.tk = self.nk = None
-            self.triton_error = f"triton unavailable ({type(e).__name__}: {e})"
+            self.tk, self.triton_error = None, f"triton unavailable ({type(e).__name__}: {e})"
             logger.warning("cuda kernel backend: %s; MoE / MXFP4 ops use the torch reference", self.triton_error)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
@@ -331,35 +326,6 @@ class CudaKernels:
         return self._guarded("mxfp4_linear", fast,
                              lambda: ref.mxfp4_linear(x, w, w_scale, act_mode=act_mode, out_dtype=out_dtype))
 
-    # ---- RMSNorm (+ residual add) ----------------------------------------------------------------
-    def _norm_reason(self, x: torch.Tensor, weight: torch.Tensor) -> str | None:
-        if x.dtype not in HALF_DTYPES:
-            return f"dtype {x.dtype} (fp32 runs are test configurations and get the exact reference)"
-        if weight.dtype != x.dtype:
-            return f"weight dtype {weight.dtype} != input dtype {x.dtype}"
-        gpu = self._gpu_reason(x, 80, need_triton=True)
-        if gpu is not None:
-            return gpu
-        if x.dim() != 2 or x.stride(-1) != 1 or x.shape[-1] > self.nk.MAX_D:
-            return f"input shape {tuple(x.shape)} / strides {x.stride()} (needs [T, D <= 16384], unit column stride)"
-        return None
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        reason = self._norm_reason(x, weight)
-        if reason is not None:
-            self._fallback("rms_norm", reason)
-            return ref_norm.rms_norm(x, weight, eps)
-        return self._guarded("rms_norm", lambda: self.nk.rms_norm(x, weight, eps),
-                             lambda: ref_norm.rms_norm(x, weight, eps))
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-        reason = self._norm_reason(x, weight) or self._norm_reason(residual, weight)
-        if reason is not None:
-            self._fallback("add_rms_norm", reason)
-            return ref_norm.add_rms_norm(x, residual, weight, eps)
-        return self._guarded("add_rms_norm", lambda: self.nk.rms_norm(x, weight, eps, residual),
-                             lambda: ref_norm.add_rms_norm(x, residual, weight, eps))
-
 
 def make_ops(fp8_gemm: str | None = None):
     """KernelOps for the cuda backend (moe_quant_layout / moe_quant_prepare are inherited from torch)."""
@@ -367,5 +333,4 @@ def make_ops(fp8_gemm: str | None = None):
     k = CudaKernels(fp8_gemm)
     return KernelOps(name="cuda", block_fp8_linear=k.block_fp8_linear, fused_moe=k.fused_moe,
                      block_fp8_linear_prepare=k.block_fp8_linear_prepare, fused_moe_block_fp8=k.fused_moe_block_fp8,
-                     fused_moe_mxfp4=k.fused_moe_mxfp4, mxfp4_linear=k.mxfp4_linear,
-                     rms_norm=k.rms_norm, add_rms_norm=k.add_rms_norm)
+                     fused_moe_mxfp4=k.fused_moe_mxfp4, mxfp4_linear=k.mxfp4_linear)
