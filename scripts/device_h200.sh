@@ -19,6 +19,7 @@ for TP in $TPS; do
   PORT=$((8000 + TP))
   timeout 300 python3 -m glm_ray.cli serve /tmp/tiny16 --device cuda --dtype float32 --tp $TP --port $PORT \
      --metrics-port $((9000 + TP)) > $OUT/serve_tp$TP.log 2>&1 &
+  SERVER=$!
   for i in $(seq 1 60); do curl -sf 127.0.0.1:$PORT/v1/models >/dev/null && break; grep -q "Traceback" $OUT/serve_tp$TP.log && break; sleep 2; done
   curl -s 127.0.0.1:$PORT/v1/completions -H 'content-type: application/json' \
      -d '{"model":"tiny16","prompt":[11,12,13,14,15,16,17,18,19,20],"max_tokens":32,"temperature":0,"logprobs":1,"ignore_eos":true}' \
@@ -32,7 +33,7 @@ ray.init(address="auto")
 h = serve.get_deployment_handle("Router", app_name="glm-ray")
 print("TP=$TP", json.dumps(h.stats.remote().result()))
 PY
-  pkill -f "glm_ray.cli serve" ; sleep 3; ray stop --force >/dev/null 2>&1; sleep 2
+  kill $SERVER 2>/dev/null; sleep 3; ray stop --force >/dev/null 2>&1; sleep 2   # by PID (see ab_fp8_proj.sh)
 done
 python3 - <<'PY' | tee $OUT/tp_compare.txt
 import json, os
