@@ -296,3 +296,24 @@ def test_interp_dense_gemms(interp):
     y3 = interp.dense_gemm_triton(a, wm, w_mode="mxfp4", w_scale=sm, out_dtype=torch.float32)
     torch.testing.assert_close(y3, ref.mxfp4_linear(x[:, :256].float(), wm, sm, act_mode="even"), rtol=1e-5,
                                atol=1e-5)
+
+
+def test_scaled_mm_path_plumbing_with_emulated_gemm(interp, monkeypatch):
+    """The `_scaled_mm` branch of block_fp8_linear end to end on CPU: Triton act quant (interpreted)
+    into the padded column-major layout, the padded operands recovered from the prepared views, an
+    exact emulation of the blockwise `_scaled_mm`, the un-padding — against the reference."""
+    from glm_ray.kernels.cuda import CudaKernels
+
+    def scaled_mm(xq, xs, wp, sp):                                   # [Mp, Kp] x [Np, Kp] -> [Mp, Np] bf16
+        a = xq.float() * xs.repeat_interleave(128, 1)
+        return (a @ dequant_block_fp8(wp, sp).T).to(BF16)
+    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton: None)
+    monkeypatch.setattr(CudaKernels, "_scaled_mm", lambda self, *a: scaled_mm(*a))
+    monkeypatch.setattr(CudaKernels, "_scaled_mm_ok", lambda self, wp, sp: True)   # its GPU self-check
+    ck = CudaKernels()
+    for n, k in ((200, 300), (256, 768)):                            # N and K padded / K padded to 1024
+        x, w, s = dense_fp8_case(5, n, k)
+        wv, sv, meta = ck.block_fp8_linear_prepare(w, s)
+        want = ref_block_fp8_linear(x.to(BF16), w, s, out_dtype=torch.float32)
+        y = ck.block_fp8_linear(x.to(BF16), wv, sv, (128, 128), out_dtype=BF16, **meta)
+        assert y.shape == (5, n) and rel_err(y, want) < 8e-3 and not ck.fallbacks
