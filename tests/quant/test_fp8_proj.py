@@ -136,11 +136,10 @@ def test_threshold_is_configurable_from_cli_to_layer(tiny_dir, monkeypatch, spy)
         a = build_parser().parse_args([cmd, "--fp8-proj-gemm", "--fp8-proj-min-tokens", "100"])
         assert (a.fp8_proj_gemm, a.fp8_proj_min_tokens) == (True, 100)
     assert build_parser().parse_args(["serve"]).fp8_proj_min_tokens == 512
-    for bad in ({"fp8_proj_min_tokens": -1},):
-        with pytest.raises(ValueError, match="fp8_proj_min_tokens"):
-            ServeArgs.from_dict(bad)
-        with pytest.raises(ValueError, match="fp8_proj_min_tokens"):
-            LLM(tiny_dir, fp8_proj_gemm=True, **bad)
+    with pytest.raises(ValueError, match="fp8_proj_min_tokens"):
+        ServeArgs.from_dict({"fp8_proj_min_tokens": -1})
+    with pytest.raises(ValueError, match="fp8_proj_min_tokens"):
+        LLM(tiny_dir, fp8_proj_gemm=True, fp8_proj_min_tokens=-1)
     monkeypatch.setenv("GLM_RAY_FP8_PROJ_FORCE", "1")
     llm = LLM(tiny_dir, dtype="float32", kv_cache_memory_bytes=16 << 20, fp8_proj_gemm=True,
               fp8_proj_min_tokens=100)
