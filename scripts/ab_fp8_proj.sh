@@ -16,6 +16,14 @@ MODEL=${MODEL:-glm5-slice-6l}; TP=${TP:-1}; IN=${IN:-1024}; OUT_LEN=${OUT_LEN:-1
 CONC=${CONC:-"4 8 16 32 64"}; FLAGS=${FLAGS:-"off on"}; DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}
 MAX_SEQS=${MAX_SEQS:-64}; MIN_TOKENS=${MIN_TOKENS:-512}; OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 export RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
+SERVER=""; BENCH=""
+stop_server() {  # by PID: `pkill -f "glm_ray.cli serve"` also matched any caller holding that text
+  [ -n "$BENCH" ] && kill $BENCH 2>/dev/null; BENCH=""
+  [ -n "$SERVER" ] && kill $SERVER 2>/dev/null && sleep 5; SERVER=""; ray stop --force >/dev/null 2>&1; sleep 3
+}
+# an outer `timeout` signals this shell only: without the trap the server (and its Ray cluster and port
+# 8000) outlived it, and the next leg's bench talked to a server that was being torn down
+trap 'stop_server; exit 124' TERM INT
 for FLAG in $FLAGS; do
   EXTRA=""; [ $FLAG = on ] && EXTRA="--fp8-proj-gemm --fp8-proj-min-tokens $MIN_TOKENS"
   LOG=$OUT/serve_${MODEL}_tp${TP}_fp8$FLAG.log
@@ -23,13 +31,15 @@ for FLAG in $FLAGS; do
       --max-num-seqs $MAX_SEQS --max-num-batched-tokens 8192 --port 8000 $EXTRA > $LOG 2>&1 &
   SERVER=$!
   for i in $(seq 1 300); do curl -sf 127.0.0.1:8000/v1/models >/dev/null && break; grep -q Traceback $LOG && break; sleep 2; done
-  if ! curl -sf 127.0.0.1:8000/v1/models >/dev/null; then echo "server did not come up:"; tail -30 $LOG; exit 1; fi
+  if ! curl -sf 127.0.0.1:8000/v1/models >/dev/null; then echo "server did not come up:"; tail -30 $LOG; stop_server; exit 1; fi
   grep -E "fp8_proj_gemm|orchestration|KV cache" $LOG | tail -3
   python3 -m glm_ray.bench.cli --base-url http://127.0.0.1:8000 --input-len $IN --output-len $OUT_LEN \
       --concurrency $CONC --repetitions $REPS --label fp8_proj=$FLAG --no-plot --no-progress \
-      --result-file $OUT/${MODEL}_tp${TP}_fp8$FLAG.jsonl 2>&1 | tail -12
-  # by PID: `pkill -f "glm_ray.cli serve"` also matched any caller whose command line held that text
-  kill $SERVER 2>/dev/null; sleep 5; ray stop --force >/dev/null 2>&1; sleep 3
+      --result-file $OUT/${MODEL}_tp${TP}_fp8$FLAG.jsonl > $OUT/bench_fp8$FLAG.log 2>&1 &
+  BENCH=$!; wait $BENCH; RC=$?; BENCH=""  # waited on in the background: a TERM runs the trap at once
+  tail -12 $OUT/bench_fp8$FLAG.log
+  [ $RC = 0 ] || { echo "bench exited $RC; server log tail:"; tail -20 $LOG; }
+  stop_server
 done
 A=$OUT/${MODEL}_tp${TP}_fp8off.jsonl; B=$OUT/${MODEL}_tp${TP}_fp8on.jsonl
 [ -s $A ] && [ -s $B ] || exit 0

@@ -22,11 +22,12 @@ case $PART in
     ORDER="off on"; [ $PART = legs2 ] && ORDER="on off"
     M=glm5-slice-6l; OL=64; R=2; LIM=280
     # flash: one more rep per flag of the flash-31b legs (session 12 ran off/on/on/off, 1 rep each)
-    [ $PART = flash ] && { ORDER=${FLASH_ORDER:-"on off"}; M=glm5-flash-31b; OL=32; R=1; LIM=195; }
+    [ $PART = flash ] && { ORDER=${FLASH_ORDER:-"on off"}; M=glm5-flash-31b; OL=32; R=1; LIM=${FLASH_LIM:-260}; }
     for F in $ORDER; do
       OUT=$OUT/$F MODEL=$M TP=1 IN=1024 OUT_LEN=$OL REPS=$R FLAGS=$F timeout $LIM \
           bash scripts/ab_fp8_proj.sh 2>&1 | grep -E "^ +[0-9]|concurrency|rror" >> $S
-      cat $OUT/$F/${M}_tp1_fp8$F.jsonl >> $OUT/${PART}_fp8$F.jsonl 2>/dev/null; rm -rf $OUT/$F
+      cat $OUT/$F/${M}_tp1_fp8$F.jsonl >> $OUT/${PART}_fp8$F.jsonl 2>/dev/null
+      tail -c 20000 $OUT/$F/serve_*.log > $OUT/${PART}_serve_fp8$F.log 2>/dev/null; rm -rf $OUT/$F
     done ;;
 esac
 cat $S
