@@ -1,7 +1,9 @@
 """Frozen configuration dataclasses: the HF config is normalized once, here, and nowhere else.
 
-`ModelConfig.from_hf(dict)` reads a `config.json` (glm_moe_dsa / GLM-5 family, and GLM-4.7-Flash's
-glm4_moe_lite which is the same model without the indexer) and derives everything layers need.
+`ModelConfig.from_hf(dict)` reads a `config.json` (glm_moe_dsa / GLM-5 family, GLM-4.7-Flash's
+glm4_moe_lite which is the same model without the indexer, and GLM-5.3-Flash's glm5_next, whose text
+config is nested under `text_config` and whose vision tower is not served) and derives everything
+layers need.
 Engine knobs live in `CacheConfig`, `SchedulerConfig`, `ParallelConfig` and `EngineConfig`.
 """
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 SUPPORTED_ARCHITECTURES = {
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+    "Glm5NextForConditionalGeneration": "glm5_next",
 }
+_DSA_ARCHITECTURES = ("GlmMoeDsaForCausalLM", "Glm5NextForConditionalGeneration")
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,17 @@ class ModelConfig:
     pad_token_id: int | None
     dtype: torch.dtype
     quantization_config: dict | None = None
+    # GLM-5.3-Flash (glm5_next): per-layer mixer, KDA linear attention, k-pool indexer, mHC
+    layer_types: tuple[str, ...] = ()           # "attention" (MLA) | "linear_attention" (KDA) per layer
+    linear_num_heads: int = 0
+    linear_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    linear_lower_bound: float | None = None
+    index_kpool: int = 0                        # 0: per-token DSA keys (GLM-5); >0: pooled keys
+    index_kpool_always_select_tail: bool = True
+    hc_mult: int = 0                            # 0: plain residual; n: mHC with n residual streams
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 20
     hf: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived -------------------------------------------------------------------------
@@ -114,6 +129,19 @@ class ModelConfig:
     @property
     def has_indexer(self) -> bool:
         return self.index_topk is not None
+
+    @property
+    def index_cache_dim(self) -> int:
+        """Per token per full-indexer layer: the index key, and with k-pools its pool gate score."""
+        return self.index_head_dim * (2 if self.index_kpool else 1)
+
+    def attention_layers(self) -> list[int]:
+        """Layers with an MLA latent cache (every layer, except the KDA layers of a hybrid model)."""
+        return [i for i, t in enumerate(self.layer_types) if t == "attention"]
+
+    def linear_attention_layers(self) -> list[int]:
+        """KDA layers: a fixed-size recurrent state per sequence instead of a KV cache."""
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
     @property
     def softmax_scale(self) -> float:
@@ -140,6 +168,13 @@ class ModelConfig:
         hf = dict(hf)
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
+        if isinstance(hf.get("text_config"), dict):                 # glm5_next: serve the text model
+            top = hf
+            hf = {**hf["text_config"], "architectures": archs}
+            hf.setdefault("tie_word_embeddings", top.get("tie_word_embeddings", False))
+            for k in ("eos_token_id", "bos_token_id", "dtype", "torch_dtype", "quantization_config"):
+                if hf.get(k) is None and top.get(k) is not None:
+                    hf[k] = top[k]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r} (model_type {hf.get('model_type')!r}); "
@@ -150,10 +185,17 @@ class ModelConfig:
         if hf.get("n_routed_experts") is None and hf.get("num_experts") is not None:
             hf["n_routed_experts"] = hf["num_experts"]
 
-        index_topk = hf.get("index_topk") if arch == "GlmMoeDsaForCausalLM" else None
+        index_topk = hf.get("index_topk") if arch in _DSA_ARCHITECTURES else None
+        layer_types = tuple(_layer_types(hf, L))
         indexer_types = tuple(_indexer_types(hf, L)) if index_topk is not None else ("none",) * L
-        if index_topk is not None and indexer_types[0] != "full":
-            raise ValueError("indexer_types[0] must be 'full': a shared layer needs a previous full layer")
+        # a KDA layer has no indexer, whatever the per-layer list says
+        indexer_types = tuple("none" if m == "linear_attention" else t for m, t in zip(layer_types, indexer_types))
+        first = next((t for t in indexer_types if t != "none"), "full")
+        if index_topk is not None and first != "full":
+            raise ValueError("the first indexed layer must be 'full': a shared layer needs a previous full layer")
+        hc_mult = (hf.get("hc_mult", 0) or 0) if arch == "Glm5NextForConditionalGeneration" else 0
+        if arch == "Glm5NextForConditionalGeneration" and hf.get("mhc") is False:
+            hc_mult = 0                                               # sglang's switch for checkpoints without mHC
 
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -196,8 +238,32 @@ class ModelConfig:
             pad_token_id=hf.get("pad_token_id"),
             dtype=_dtype(dtype, hf),
             quantization_config=hf.get("quantization_config"),
+            layer_types=layer_types,
+            linear_num_heads=hf.get("linear_num_heads", 0) or 0,
+            linear_head_dim=hf.get("linear_head_dim", 0) or 0,
+            linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4) or 4,
+            linear_lower_bound=hf.get("linear_lower_bound"),
+            index_kpool=(hf.get("index_kpool", 0) or 0) if arch == "Glm5NextForConditionalGeneration" else 0,
+            index_kpool_always_select_tail=bool(hf.get("index_kpool_always_select_tail", True)),
+            hc_mult=hc_mult,
+            hc_eps=float(hf.get("hc_eps", 1e-6)),
+            hc_sinkhorn_iters=int(hf.get("hc_sinkhorn_iters", 20)),
             hf=hf,
         )
+
+
+def _layer_types(hf: dict, L: int) -> list[str]:
+    """Token mixer per layer: "attention" (MLA) or "linear_attention" (KDA, glm5_next only)."""
+    types = list(hf.get("layer_types") or ["attention"] * L)[:L]
+    out = []
+    for t in types:
+        if t in ("full_attention", "indexed_attention", "attention"):
+            out.append("attention")
+        elif t == "linear_attention":
+            out.append(t)
+        else:
+            raise ValueError(f"unsupported layer type {t!r} in layer_types")
+    return out
 
 
 def _indexer_types(hf: dict, L: int) -> list[str]:

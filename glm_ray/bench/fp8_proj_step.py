@@ -59,15 +59,15 @@ def run(model: str | None, tokens: list[int], seq_len: int, iters: int, **engine
         qlens = [seq_len] * (M // seq_len) + ([M % seq_len] if M % seq_len else [])
         tables = contiguous_block_tables(qlens, bs)
         nb = sum(map(len, tables))
-        if nb > runner.kv_caches[0].shape[0] // bs:
-            raise SystemExit(f"M={M}: the KV cache holds {runner.kv_caches[0].shape[0] // bs} blocks, {nb} needed")
+        if nb > runner.num_slots // bs:
+            raise SystemExit(f"M={M}: the KV cache holds {runner.num_slots // bs} blocks, {nb} needed")
         batch = build_forward_batch(qlens, qlens, tables, bs, dev, llm.config.mla_mode)
         ids = torch.randint(0, V, (M,), generator=g).to(dev)
         if M == tokens[0]:
             # the projections a step runs (the MTP layer's are built but not in the forward)
             ran: set[int] = set()
             hooks = [mod.register_forward_hook(lambda *_, key=id(mod): ran.add(key)) for mod, _ in projs]
-            net(ids, batch, runner.kv_caches, runner.index_caches)
+            net(ids, batch, runner.kv_caches, runner.index_caches, runner.state_caches)
             for h in hooks:
                 h.remove()
             projs = [(mod, m) for mod, m in projs if id(mod) in ran]
@@ -76,7 +76,7 @@ def run(model: str | None, tokens: list[int], seq_len: int, iters: int, **engine
         def step(on: bool) -> float:
             _set(methods, on, min_tokens)
             t0 = now()
-            net(ids, batch, runner.kv_caches, runner.index_caches)               # [M, D]
+            net(ids, batch, runner.kv_caches, runner.index_caches, runner.state_caches)               # [M, D]
             return now() - t0
 
         def gemms(on: bool) -> float:

@@ -28,6 +28,7 @@ class Request:
     prompt_logprobs: list[LogprobDict | None] | None = None
     num_computed_tokens: int = 0                      # tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None                     # row in the recurrent-state caches while running
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -7,6 +7,9 @@ Policy (one step, under `max_num_batched_tokens`):
   2. then waiting requests, FCFS, while the budget, `max_num_seqs` and free blocks allow — a long
      prompt is split into chunks (chunked prefill), so prefill and decode share a step.
 No request is ever dropped: preempted requests go back to the head of the queue.
+Every running request also holds one of `max_num_seqs` state slots (its row in the fixed-size
+recurrent-state caches of hybrid models such as GLM-5.3-Flash's KDA layers), taken on admission and
+given back on preemption or finish.
 
 `SchedulerOutput` is the per-step message to the workers: a diff (new requests once, new block ids,
 finished ids), not the whole state.
@@ -39,6 +42,7 @@ class ScheduledSeq:
     reset_blocks: bool
     sample: bool                      # this chunk ends at the request's last token -> sample next
     prompt_logprobs: bool = False     # compute prompt logprobs over this chunk
+    state_slot: int = 0               # row of the request in the recurrent-state caches
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: list[str] = []     # to tell the workers next step
+        self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))   # state slots; pop() -> lowest
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -75,6 +80,7 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self._release_slot(req)
         else:
             try:
                 self.waiting.remove(req)
@@ -123,6 +129,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            req.state_slot = self._free_slots.pop()     # running < max_num_seqs: never empty
             self.running.append(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
@@ -145,11 +152,17 @@ class Scheduler:
             reset_blocks=req.blocks_reset,
             sample=end == req.num_tokens,
             prompt_logprobs=req.params.prompt_logprobs is not None and not req.prompt_logprobs_done,
+            state_slot=req.state_slot,
         ))
         req.blocks_reset = False
 
+    def _release_slot(self, req: Request) -> None:
+        self._free_slots.append(req.state_slot)
+        req.state_slot = None
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._release_slot(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.blocks_reset = True

@@ -35,7 +35,8 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None):
     if not has_tokenizer(p):
         if vocab_size is None:
             cfg = p / "config.json"
-            vocab_size = json.loads(cfg.read_text())["vocab_size"] if cfg.is_file() else None
+            hf = json.loads(cfg.read_text()) if cfg.is_file() else {}
+            vocab_size = hf.get("vocab_size") or (hf.get("text_config") or {}).get("vocab_size")   # glm5_next nests it
         if vocab_size is None:
             raise FileNotFoundError(f"{path}: no tokenizer files and no config.json to size a synthetic one")
         logger.warning("%s has no tokenizer: using a synthetic one-token-per-id tokenizer (%d ids)", path, vocab_size)

@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from glm_ray.config import ModelConfig
 from glm_ray.layers.indexer import Indexer
+from glm_ray.layers.kpool_indexer import KPoolIndexer
 from glm_ray.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.layers.norm import RMSNorm
 from glm_ray.layers.rotary import RopeCache, apply_rope
@@ -60,7 +61,8 @@ class MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(H * self.dv, cfg.hidden_size, prefix=f"{prefix}.o_proj", tp=tp, **common)
         # full_indexer: True -> own indexer; False -> IndexShare (reuse previous mask); None -> no DSA
         self.uses_dsa = full_indexer is not None
-        self.indexer = (Indexer(cfg, quant_config=quant_config, prefix=f"{prefix}.indexer", params_dtype=params_dtype)
+        indexer_cls = KPoolIndexer if cfg.index_kpool else Indexer             # GLM-5.3-Flash pools its keys
+        self.indexer = (indexer_cls(cfg, quant_config=quant_config, prefix=f"{prefix}.indexer", params_dtype=params_dtype)
                         if full_indexer else None)
         self.w_kc: torch.Tensor | None = None                                   # [h, dn, r]
         self.w_vc: torch.Tensor | None = None                                   # [h, r, dv]
@@ -73,7 +75,7 @@ class MLAAttention(nn.Module):
         self.w_kc = w[:, :self.dn, :].contiguous()                              # [h, dn, r]
         self.w_vc = w[:, self.dn:, :].transpose(1, 2).contiguous()              # [h, r, dv]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeCache,
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeCache | None,
                 kv_cache: torch.Tensor, index_cache: torch.Tensor | None,
                 prev_mask: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         T = x.shape[0]
@@ -83,10 +85,10 @@ class MLAAttention(nn.Module):
         else:
             q_resid, q = None, self.q_proj(x)
         q = q.view(T, self.h, self.dn + self.dr)                                # [T, h, dn+dr]
-        q_nope, q_pe = q[..., :self.dn], apply_rope(q[..., self.dn:], rope, self.interleave)
+        q_nope, q_pe = q[..., :self.dn], self._rope(q[..., self.dn:], rope)
         ckv = self.kv_a_proj_with_mqa(x)                                        # [T, r+dr]
         c = self.kv_a_layernorm(ckv[:, :self.r])                                # [T, r]
-        k_pe = apply_rope(ckv[:, None, self.r:], rope, self.interleave)[:, 0]   # [T, dr]
+        k_pe = self._rope(ckv[:, None, self.r:], rope)[:, 0]                    # [T, dr]
         kv_cache.index_copy_(0, batch.slot_mapping, torch.cat([c, k_pe], -1).to(kv_cache.dtype))
         if self.indexer is not None:
             self.indexer.write_keys(x, batch, rope, index_cache)
@@ -107,6 +109,9 @@ class MLAAttention(nn.Module):
             attend = self._naive if g.mla_mode == "naive" else self._absorbed
             o.index_copy_(0, g.token_index, attend(q_nope, q_pe, kv_cache, mask, g))   # [Tg, h, dv] rows
         return self.o_proj(o.reshape(T, self.h * self.dv)), (tuple(masks) if self.uses_dsa else None)
+
+    def _rope(self, x: torch.Tensor, rope: RopeCache | None) -> torch.Tensor:
+        return x if self.dr == 0 else apply_rope(x, rope, self.interleave)     # NoPE (GLM-5.3-Flash): dr = 0
 
     def _sdpa(self, q, k, v, mask, **kw):
         # q [B, Hq, Q, d], k/v [B, Hq|1, Kmax, d], mask [B, 1, Q, Kmax] bool

@@ -26,6 +26,10 @@ class AttnGroup:
     causal: torch.Tensor         # [B, Qmax, Kmax] bool: key valid and key position <= query position
     max_context_len: int         # host int: max over the group's sequences of cached + new tokens
     mla_mode: str                # "naive" (expand K/V) | "absorbed" (latent MQA)
+    # recurrent-state models (GLM-5.3-Flash KDA layers); None for pure-attention models
+    state_slots: torch.Tensor | None = None   # [B] int64 row of each sequence in the state caches
+    state_fresh: torch.Tensor | None = None   # [B] bool: the sequence starts at position 0 this step
+                                              # (initial state zero, whatever the slot holds)
 
 
 @dataclass
@@ -41,12 +45,14 @@ class ForwardBatch:
 
 
 def build_forward_batch(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                        block_size: int, device: torch.device, mla_mode: str = "auto") -> ForwardBatch:
+                        block_size: int, device: torch.device, mla_mode: str = "auto",
+                        state_slots: list[int] | None = None) -> ForwardBatch:
     """Host-side construction from per-sequence lengths (vectorized per group; one copy each to the device).
 
     query_lens[i]: new tokens of sequence i this step; context_lens[i]: cached + new tokens.
     mla_mode: "auto" -> absorbed for the decode group, naive for the prefill group; "naive" /
     "absorbed" force one form for both (tests, A/B).
+    state_slots[i]: recurrent-state cache row of sequence i (hybrid models; default 0..B-1).
     """
     B = len(query_lens)
     ql = torch.tensor(query_lens, dtype=torch.int64)                         # [B]
@@ -60,13 +66,15 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
     tok_seq = torch.repeat_interleave(torch.arange(B), ql)                   # [T]
     positions = (cl - ql)[tok_seq] + (torch.arange(len(tok_seq)) - starts[tok_seq])   # [T]
     slot_mapping = bt[tok_seq, positions // block_size] * block_size + positions % block_size
+    slots = torch.tensor(state_slots if state_slots is not None else range(B), dtype=torch.int64)   # [B]
     groups = []
     for idx, mode in _partition(query_lens, context_lens):
         idx = torch.tensor(idx, dtype=torch.int64)
         groups.append(_group(ql[idx], cl[idx], starts[idx], bt[idx], block_size,
-                             mode if mla_mode == "auto" else mla_mode))
+                             mode if mla_mode == "auto" else mla_mode) + (slots[idx], cl[idx] == ql[idx]))
     to = lambda t: t.to(device, non_blocking=True)
-    groups = tuple(AttnGroup(*(to(t) for t in (g[0], g[1], g[2], g[3], g[4])), max_context_len=g[5], mla_mode=g[6])
+    groups = tuple(AttnGroup(*(to(t) for t in g[:5]), max_context_len=g[5], mla_mode=g[6],
+                             state_slots=to(g[7]), state_fresh=to(g[8]))
                    for g in groups)
     return ForwardBatch(positions=to(positions), slot_mapping=to(slot_mapping), groups=groups,
                         max_context_len=int(cl.max()))

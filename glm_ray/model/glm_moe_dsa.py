@@ -95,7 +95,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, quant_config=_lm_head_quant(quant_config),
                                       prefix="lm_head", params_dtype=params_dtype, tp=tp)
 
-    def forward(self, input_ids, batch, kv_caches, index_caches) -> torch.Tensor:
+    def forward(self, input_ids, batch, kv_caches, index_caches, state_caches=None) -> torch.Tensor:
         return self.model(input_ids, batch, kv_caches, index_caches)            # [T, D] final-normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -75,10 +75,11 @@ def iter_checkpoint(path: str | os.PathLike, progress: bool = True):
 
 def load_weights(model, path: str | os.PathLike, progress: bool = True) -> None:
     expected = model.checkpoint_params()
+    model_ignores = getattr(model, "ignores_checkpoint_tensor", lambda name: False)
     loaded: set[str] = set()
     for ckpt in iter_checkpoint(path, progress):
         if ckpt.name not in expected:
-            if any(p.match(ckpt.name) for p in IGNORED):
+            if any(p.match(ckpt.name) for p in IGNORED) or model_ignores(ckpt.name):
                 continue
             raise WeightError(f"unexpected tensor {ckpt.name!r} in {ckpt.file}: the model has no such parameter")
         if ckpt.name in loaded:

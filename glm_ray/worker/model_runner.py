@@ -14,7 +14,7 @@ import torch
 
 from glm_ray.config import EngineConfig, ModelConfig
 from glm_ray.distributed.parallel_state import collective_timer, tp_rank
-from glm_ray.engine.kv_cache import kv_bytes_per_token
+from glm_ray.engine.kv_cache import kv_bytes_per_token, state_shapes
 from glm_ray.engine.outputs import LogprobDict
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.scheduler import SchedulerOutput
@@ -47,13 +47,10 @@ class ModelRunner:
                  num_blocks: int):
         self.cfg, self.model_cfg, self.model, self.device = cfg, model_cfg, model, device
         self.block_size = cfg.cache.block_size
-        slots = num_blocks * self.block_size
-        L = model_cfg.num_hidden_layers
-        # NOTE: one slab per layer; block b of layer l is rows [b*bs, (b+1)*bs) of kv_caches[l].
-        self.kv_caches = [torch.zeros(slots, model_cfg.kv_cache_dim, dtype=model_cfg.dtype, device=device)
-                          for _ in range(L)]
-        self.index_caches = {l: torch.zeros(slots, model_cfg.index_head_dim, dtype=model_cfg.dtype, device=device)
-                             for l in model_cfg.full_indexer_layers()} if model_cfg.has_indexer else {}
+        self.num_slots = num_blocks * self.block_size                           # KV token slots
+        self.kv_caches, self.index_caches, self.state_caches = allocate_caches(
+            model_cfg, self.num_slots, cfg.scheduler.max_num_seqs, cfg.parallel.tensor_parallel_size,
+            device)
         self.requests: dict[str, ReqState] = {}
         self.eos = model_cfg.eos_token_ids
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB per rank)", num_blocks, self.block_size,
@@ -83,13 +80,13 @@ class ModelRunner:
         qlens = [len(s.token_ids) for s in seqs]
         batch = build_forward_batch(qlens, [s.start_pos + len(s.token_ids) for s in seqs],
                                     [self.requests[s.req_id].block_ids for s in seqs], self.block_size,
-                                    self.device, self.cfg.mla_mode)
+                                    self.device, self.cfg.mla_mode, [s.state_slot for s in seqs])
         # rows of hidden states to turn into logits: every sampling seq's last token, plus the
         # prompt positions of seqs that want prompt logprobs
         ends = torch.tensor(qlens).cumsum(0)
         sample_rows = [int(ends[i]) - 1 for i, s in enumerate(seqs) if s.sample]
         t1 = time.perf_counter()
-        hidden = self.model(ids, batch, self.kv_caches, self.index_caches)     # [T, D]
+        hidden = self.model(ids, batch, self.kv_caches, self.index_caches, self.state_caches)   # [T, D]
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None   # [N, V]
         plp = self._prompt_logprobs(seqs, hidden, ends)
         t2 = time.perf_counter()
@@ -143,6 +140,22 @@ class ModelRunner:
         return out
 
 
+def allocate_caches(model_cfg: ModelConfig, num_slots: int, num_seqs: int, tp: int, device: torch.device):
+    """Zeroed caches of one rank: the MLA latent per attention layer (None for KDA layers), the index
+    keys per full-indexer layer, and the KDA recurrent states (conv, recurrent) per linear layer.
+    Block b of layer l is rows [b*bs, (b+1)*bs) of kv_caches[l]; a sequence's state is row state_slot."""
+    attn = set(model_cfg.attention_layers())
+    kv = [torch.zeros(num_slots, model_cfg.kv_cache_dim, dtype=model_cfg.dtype, device=device) if l in attn else None
+          for l in range(model_cfg.num_hidden_layers)]
+    index = {l: torch.zeros(num_slots, model_cfg.index_cache_dim, dtype=model_cfg.dtype, device=device)
+             for l in model_cfg.full_indexer_layers()} if model_cfg.has_indexer else {}
+    conv, rec = state_shapes(model_cfg, num_seqs, tp)
+    states = {l: (torch.zeros(conv, dtype=model_cfg.dtype, device=device),
+                  torch.zeros(rec, dtype=torch.float32, device=device))
+              for l in model_cfg.linear_attention_layers()}
+    return kv, index, states
+
+
 @torch.inference_mode()
 def profile_activation_bytes(cfg: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module,
                              device: torch.device) -> int:
@@ -162,20 +175,17 @@ def profile_activation_bytes(cfg: EngineConfig, model_cfg: ModelConfig, model: t
     qlens = [T - 2, 2] if T >= 4 else [T]
     tables = contiguous_block_tables(qlens, bs)
     nblk = sum(map(len, tables))
-    kv = [torch.zeros(nblk * bs, model_cfg.kv_cache_dim, dtype=model_cfg.dtype, device=device)
-          for _ in range(model_cfg.num_hidden_layers)]
-    idx = {l: torch.zeros(nblk * bs, model_cfg.index_head_dim, dtype=model_cfg.dtype, device=device)
-           for l in model_cfg.full_indexer_layers()} if model_cfg.has_indexer else {}
+    kv, idx, states = allocate_caches(model_cfg, nblk * bs, len(qlens), cfg.parallel.tensor_parallel_size, device)
     batch = build_forward_batch(qlens, qlens, tables, bs, device, cfg.mla_mode)
     ids = torch.randint(0, model_cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(0)).to(device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    hidden = model(ids, batch, kv, idx)                                          # [T, D]
+    hidden = model(ids, batch, kv, idx, states)                                  # [T, D]
     rows = min(T, cfg.scheduler.max_num_seqs)
     torch.log_softmax(model.compute_logits(hidden[-rows:]).float(), -1)         # sampler-sized logits
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
-    del kv, idx, hidden
+    del kv, idx, states, hidden
     torch.cuda.empty_cache()
     return int(peak)

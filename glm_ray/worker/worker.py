@@ -13,8 +13,9 @@ import torch
 from glm_ray import kernels
 from glm_ray.config import EngineConfig, ModelConfig
 from glm_ray.distributed.parallel_state import init_tensor_parallel, tp_rank
-from glm_ray.engine.kv_cache import num_blocks_for_budget
+from glm_ray.engine.kv_cache import num_blocks_for_budget, state_bytes
 from glm_ray.engine.scheduler import SchedulerOutput
+from glm_ray.model.glm5_next import Glm5NextForCausalLM
 from glm_ray.model.glm_moe_dsa import GlmMoeDsaForCausalLM
 from glm_ray.model.loader import init_dummy_weights, load_weights
 from glm_ray.quant import get_quant_config
@@ -22,7 +23,8 @@ from glm_ray.worker.model_runner import ModelRunner, ModelRunnerOutput, profile_
 
 logger = logging.getLogger(__name__)
 
-MODEL_CLASSES = {"GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM, "Glm4MoeLiteForCausalLM": GlmMoeDsaForCausalLM}
+MODEL_CLASSES = {"GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM, "Glm4MoeLiteForCausalLM": GlmMoeDsaForCausalLM,
+                 "Glm5NextForConditionalGeneration": Glm5NextForCausalLM}
 
 
 class Worker:
@@ -89,7 +91,12 @@ class Worker:
                                    f"{cc.gpu_memory_utilization} of {total / 2**30:.1f} GiB")
         else:
             budget = cc.cpu_kv_cache_bytes
-        return num_blocks_for_budget(budget, self.model_cfg, self.model_cfg.dtype, cc.block_size)
+        # the recurrent states of hybrid models (one per running sequence) come out of the same budget
+        states = state_bytes(self.model_cfg, self.model_cfg.dtype, self.cfg.scheduler.max_num_seqs, self.tp)
+        if states:
+            logger.info("rank %d: recurrent states %.1f MiB (%d sequences)", self.rank, states / 2**20,
+                        self.cfg.scheduler.max_num_seqs)
+        return num_blocks_for_budget(budget - states, self.model_cfg, self.model_cfg.dtype, cc.block_size)
 
     def init_cache(self, num_blocks: int) -> None:
         self.runner = ModelRunner(self.cfg, self.model_cfg, self.model, self.device, num_blocks)

@@ -1,0 +1,142 @@
+"""K-pool DSA indexer (GLM-5.3-Flash, `glm5_next`): the lightning indexer scores *pools* of
+`index_kpool` consecutive tokens instead of single tokens. Same interface as `indexer.Indexer`.
+
+NoPE: no rotary anywhere (the `rope` arguments are ignored). Per token the index cache row holds
+`[ki | gi]` (2·di): the key `ki = LayerNorm(wk(x))` and its pool gate score `gi = x @ gateᵀ`.
+Pools tile every sequence from position 0: pool p = positions [p·kp, (p+1)·kp). Its key is the
+per-channel softmax-weighted mean of its tokens' keys, logits `gi + ape[offset in pool]`.
+For a query at position s (kp = index_kpool, di = index_head_dim, Hi = index_n_heads):
+  I[s,p]    = Σ_h w[s,h] · relu(qi[s,h] · kpool[p] · di^-0.5),  w = weights_proj(x) · Hi^-0.5 (fp32)
+  candidate = the pool's last token (p+1)·kp - 1 <= s (it is then complete and visible)
+  selected  = the index_topk // kp best candidates, expanded to their kp tokens
+  tail      = (index_kpool_always_select_tail) the tokens t <= s of the pools that are not candidates,
+              i.e. positions [s+1 - (s+1) % kp, s]: the query's incomplete pool
+  mask[s,t] = (t in selected or t in tail) and causal[s,t]
+This is transformers' Glm5NextTextIndexer without left padding (its pools start at the first valid
+token; ours at position 0, where every sequence starts).
+
+Dense-causal skip (the MLA layer skips `select` while `max_context_len <= topk`): with the tail on, a
+query at s has floor((s+1)/kp) <= index_topk // kp candidates when s < ctx <= index_topk, so every
+candidate is selected and candidates + tail = all of 0..s, i.e. the mask is exactly causal. Without
+the tail it is not (a query's incomplete pool is never attended, and queries s < kp-1 attend nothing),
+so then `topk` is 0 and `select` always runs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm_ray.config import ModelConfig
+from glm_ray.layers.linear import ReplicatedLinear
+from glm_ray.layers.norm import LayerNorm
+from glm_ray.layers.rotary import RopeCache
+from glm_ray.layers.weights import load_sharded, set_weight_attrs
+from glm_ray.model.forward_batch import AttnGroup, ForwardBatch
+
+
+_SCORE_BYTES = 256 * 2**20
+
+
+class KPoolIndexer(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, quant_config, prefix: str, params_dtype):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.kpool, self.tail = cfg.index_kpool, cfg.index_kpool_always_select_tail
+        if cfg.index_kpool <= 0:
+            raise ValueError("KPoolIndexer needs index_kpool > 0")
+        if cfg.qk_rope_head_dim:
+            raise ValueError("the k-pool indexer is NoPE (GLM-5.3-Flash): qk_rope_head_dim must be 0")
+        self.index_topk = cfg.index_topk
+        self.pool_topk = cfg.index_topk // cfg.index_kpool                 # pools selected per query
+        # threshold of the MLA layer's dense-causal skip: exact only with the tail (module docstring)
+        self.topk = cfg.index_topk if self.tail else 0
+        self.cache_dim = 2 * self.head_dim                                   # [ki | gi] per token
+        di, D = self.head_dim, cfg.hidden_size
+        self.wq_b = ReplicatedLinear(cfg.q_lora_rank, self.n_heads * di, quant_config=quant_config,
+                                     prefix=f"{prefix}.wq_b", params_dtype=params_dtype)
+        self.wk = ReplicatedLinear(D, di, quant_config=quant_config, prefix=f"{prefix}.wk",
+                                   params_dtype=params_dtype)
+        self.k_norm = LayerNorm(di, eps=1e-6, dtype=params_dtype)
+        # NOTE: weights_proj stays fp32 and unquantized in every GLM checkpoint.
+        from glm_ray.quant import Unquantized
+        self.weights_proj = ReplicatedLinear(D, self.n_heads, quant_config=Unquantized(),
+                                             prefix=f"{prefix}.weights_proj", params_dtype=torch.float32)
+        # plain (never quantized) params: ape is only added to fp32 logits; gate runs in the model dtype
+        self.index_kpool_compress_ape = self._param(torch.zeros(self.kpool, di, dtype=torch.float32))
+        self.index_kpool_compress_gate = self._param(torch.zeros(di, D, dtype=params_dtype))
+
+    @staticmethod
+    def _param(t: torch.Tensor) -> nn.Parameter:
+        return set_weight_attrs(nn.Parameter(t, requires_grad=False), weight_loader=KPoolIndexer._load)
+
+    @staticmethod
+    def _load(param, ckpt, shard_id=None, **_):
+        load_sharded(param, ckpt, shard_dim=None, rank=0, tp=1)          # replicated on every rank
+
+    def write_keys(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeCache | None,
+                   key_cache: torch.Tensor) -> None:
+        """Cache every new token's [ki | gi] (once per layer; `rope` unused: NoPE)."""
+        ki = self.k_norm(self.wk(x))                                          # [T, di]
+        gi = F.linear(x, self.index_kpool_compress_gate.to(x.dtype))          # [T, di]
+        key_cache.index_copy_(0, batch.slot_mapping, torch.cat([ki, gi], -1).to(key_cache.dtype))
+
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, rope: RopeCache | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries [T, Hi, di] fp32 and head weights [T, Hi] fp32 of every row of T."""
+        T = x.shape[0]
+        qi = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
+        w = self.weights_proj(x.float()) * self.n_heads ** -0.5
+        return qi.float(), w
+
+    def _pool_keys(self, slots: torch.Tensor, key_cache: torch.Tensor) -> torch.Tensor:
+        """Pool keys [B, n, di] fp32 of the pools whose token slots are `slots` [B, n*kp]."""
+        B, di, kp = slots.shape[0], self.head_dim, self.kpool
+        rows = key_cache[slots].float().view(B, -1, kp, 2 * di)               # [B, n, kp, 2di]
+        keys, gates = rows[..., :di], rows[..., di:]
+        prob = (gates + self.index_kpool_compress_ape.float()).softmax(dim=2)  # over the kp tokens
+        return prob.mul_(keys).sum(dim=2)
+
+    def select(self, group: AttnGroup, queries: tuple[torch.Tensor, torch.Tensor],
+               key_cache: torch.Tensor) -> torch.Tensor:
+        """Selection mask [B, Qmax, Kmax] (selected pools' tokens ∪ tail, AND causal) of one group.
+
+        Pools are tiled (each tile: gather its tokens' cache rows, pool them, score them) and their
+        top-k merged; within a pool tile the queries are tiled so that the per-head ReLU scores
+        [B, q, Hi, n] fp32 stay within _SCORE_BYTES. One tile of each in the common case.
+        """
+        qi, w = queries
+        Q, W = qi[group.q_index], w[group.q_index]                              # [B, Qmax, Hi, di], [B, Qmax, Hi]
+        causal = group.causal
+        B, Qmax, Kmax = causal.shape
+        kp, P = self.kpool, Kmax // self.kpool                                  # complete pools in the longest context
+        # pool p is a candidate iff its last token is causal-visible (key valid => pool complete)
+        cand = causal[:, :, kp - 1::kp]                                         # [B, Qmax, P]
+        k = min(self.pool_topk, P)
+        picked = torch.zeros(B, Qmax, P + 1, dtype=torch.bool, device=causal.device)   # col P: discard
+        if k > 0:
+            pc = max(k, min(P, _SCORE_BYTES // (B * kp * 2 * self.head_dim * 4)))   # pools per tile
+            qc = max(1, _SCORE_BYTES // (B * self.n_heads * pc * 4))                 # queries per tile
+            best_v = torch.full((B, Qmax, k), float("-inf"), device=causal.device)
+            best_i = torch.full((B, Qmax, k), P, dtype=torch.int64, device=causal.device)
+            for p0 in range(0, P, pc):
+                p1 = min(P, p0 + pc)
+                pk = self._pool_keys(group.kv_slots[:, p0 * kp:p1 * kp], key_cache)   # [B, n, di]
+                for q0 in range(0, Qmax, qc):
+                    sl = slice(q0, q0 + qc)
+                    s = torch.einsum("bqhd,bpd->bqhp", Q[:, sl], pk).mul_(self.head_dim ** -0.5).relu_()
+                    scores = torch.einsum("bqh,bqhp->bqp", W[:, sl], s)           # [B, q, n]
+                    # masked_fill also clears NaN/inf of never-written cache rows (non-candidates)
+                    scores.masked_fill_(~cand[:, sl, p0:p1], float("-inf"))
+                    v = torch.cat([best_v[:, sl], scores], -1)
+                    i = torch.cat([best_i[:, sl], torch.arange(p0, p1, device=causal.device).expand_as(scores)], -1)
+                    v, j = v.topk(k, dim=-1)
+                    best_v[:, sl], best_i[:, sl] = v, i.gather(-1, j)
+            # a -inf pick is no candidate (fewer than k exist): send it to the discard column
+            picked.scatter_(-1, best_i.masked_fill(best_v == float("-inf"), P), True)
+        keep = picked[..., :P]
+        if self.tail:
+            keep = keep | ~cand                                                 # the query's incomplete pool
+        mask = torch.full_like(causal, self.tail)                               # positions past the last full pool: tail
+        mask[..., :P * kp] = keep.repeat_interleave(kp, dim=-1)
+        return mask & causal
