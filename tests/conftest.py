@@ -67,8 +67,14 @@ def serve_cluster(tmp_path_factory):
     from glm_ray.model.tiny import default_tiny_model
     default_tiny_model()                       # write the cached tiny model once, before any replica
     tmp = tmp_path_factory.mktemp("serve")
+    apps = list(EXTRA_APPS)
+    from tests import flash_tiny
+    if flash_tiny.available():                 # GLM-5.3-Flash at TP=2 (transformers writes the checkpoint)
+        path = flash_tiny.write_flash_tiny(tmp / "glm53-flash-tiny")
+        apps.append({"name": "flash", "route_prefix": "/flash",
+                     "args": {"model": path, "tp": 2, "served_model_name": "glm53-flash-tiny-tp2"}})
     try:
-        c = cluster.start(tmp, EXTRA_APPS)
+        c = cluster.start(tmp, apps)
     except Exception:
         raise
     yield c
@@ -84,3 +90,11 @@ def tiny_server(serve_cluster):
 @pytest.fixture(scope="session")
 def tp2_server(serve_cluster):
     return serve_cluster.apps["tp2"]
+
+
+@pytest.fixture(scope="session")
+def flash_server(serve_cluster):
+    """Tiny GLM-5.3-Flash (glm5_next) served at TP=2; skipped where transformers has no glm5_next."""
+    if "flash" not in serve_cluster.apps:
+        pytest.skip("transformers has no glm5_next: no GLM-5.3-Flash checkpoint to serve")
+    return serve_cluster.apps["flash"]

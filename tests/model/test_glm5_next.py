@@ -1,68 +1,35 @@
 """GLM-5.3-Flash (glm5_next) end to end: glm_ray's engine vs transformers' own
 Glm5NextForConditionalGeneration (text input) on a checkpoint that transformers wrote, fp32.
 
-The checkpoint is transformers' `save_pretrained` of a randomly initialised tiny model (the on-disk
-names of a real GLM-5.3-Flash checkpoint: `model.language_model.*`, separate q/k/v conv1d, per-expert
-MoE tensors, flat `hc_*` tensors, plus a vision tower we do not load). The parameters transformers
-initialises to constants (mHC base/scale, k-pool ape/gate, A_log, norms) are randomised first so that
-every path carries signal. index_topk 8 with k-pools of 4 keeps every prompt beyond 8 tokens sparse.
+The checkpoint is transformers' own `save_pretrained` output (tests/flash_tiny.py).
 Covered: KDA prefill (chunked form) and decode (recurrent form), KDA state carried across prefill
 chunks of a continuing sequence, the k-pool indexer with its tail, NoPE MLA, mHC, clamped SwiGLU MoE.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
 from glm_ray import LLM, SamplingParams
+from tests.flash_tiny import flash_oracle_logprobs, load_flash_oracle, write_flash_tiny
 
 pytest.importorskip("transformers.models.glm5_next")
 
 TOL = 1e-4
-CONFIG = Path(__file__).parents[2] / "glm_ray" / "configs" / "glm53-flash-tiny-text.json"
 
 
 @pytest.fixture(scope="module")
 def flash_dir(tmp_path_factory) -> str:
-    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
-    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
-    text = {k: v for k, v in json.loads(CONFIG.read_text()).items() if k not in ("architectures", "model_type")}
-    text.update(index_topk=8, eos_token_id=1, dtype="float32")
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"])
-    torch.manual_seed(0)
-    model = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text, vision_config=vision)).float()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.model.language_model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if name.endswith(("attn_hc.base", "ffn_hc.base", "index_kpool_compress_ape", "e_score_correction_bias")):
-                p.copy_(0.5 * r)
-            elif name.endswith(("attn_hc.scale", "ffn_hc.scale")):
-                p.copy_(1.0 + 0.3 * r)
-            elif name.endswith("index_kpool_compress_gate"):
-                p.copy_(0.2 * r)
-            elif name.endswith("A_log"):
-                p.copy_(0.5 * r)
-            elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                p.copy_(1.0 + 0.1 * r)
-        model.lm_head.weight.mul_(4.0)   # sharper next-token distributions: greedy parity not decided by 1e-6 gaps
-    path = tmp_path_factory.mktemp("glm53flash") / "tiny"
-    model.save_pretrained(path)
-    return str(path)
+    return write_flash_tiny(tmp_path_factory.mktemp("glm53flash") / "tiny")
 
 
 @pytest.fixture(scope="module")
 def oracle(flash_dir):
-    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
-    return Glm5NextForConditionalGeneration.from_pretrained(flash_dir, dtype=torch.float32).eval()
+    return load_flash_oracle(flash_dir)
 
 
-@torch.no_grad()
 def _oracle_logprobs(oracle, ids: list[int]) -> torch.Tensor:
-    return torch.log_softmax(oracle(input_ids=torch.tensor([ids])).logits[0].float(), -1)   # [S, V]
+    return flash_oracle_logprobs(oracle, ids)                                 # [S, V]
 
 
 def _prompts(lengths, seed=0):
