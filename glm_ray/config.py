@@ -167,6 +167,8 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any], dtype: str | torch.dtype = "auto") -> "ModelConfig":
         hf = dict(hf)
         archs = hf.get("architectures") or []
+        if not archs and hf.get("model_type") in ("glm5_next", "glm5_next_text"):
+            archs = ["Glm5NextForConditionalGeneration"]                # a bare text config (bundled)
         arch = archs[0] if archs else None
         if isinstance(hf.get("text_config"), dict):                 # glm5_next: serve the text model
             top = hf

@@ -8,6 +8,9 @@ What gets written (all of it loadable by transformers' `GlmMoeDsaForCausalLM` to
   tokenizer.json / tokenizer_config.json   a byte-level BPE trained in-process, GLM special tokens
                                 and a GLM-style chat template
 Norm weights, the indexer k_norm and the router bias are perturbed so those code paths matter.
+A GLM-5.3-Flash text config (`--config glm53-flash-tiny-text.json`) is written as the nested glm5_next
+config.json of a real checkpoint (`text_config`), with its tensors under `model.language_model.*`
+(no vision tower).
 """
 from __future__ import annotations
 
@@ -77,22 +80,31 @@ def build_tokenizer(vocab_size: int):
 def write_tiny(out_dir: str | os.PathLike, config: dict | None = None, seed: int = 0, num_shards: int = 2,
                dtype: torch.dtype = torch.bfloat16) -> Path:
     from glm_ray.config import ModelConfig
-    from glm_ray.model.glm_moe_dsa import GlmMoeDsaForCausalLM
     from glm_ray.model.loader import init_dummy_weights
     from glm_ray.quant import Unquantized
+    from glm_ray.worker.worker import MODEL_CLASSES
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf = dict(config or bundled_config())
-    # NOTE: "layer_types" is derived by transformers; older releases (5.17) reject the value newer ones
-    # write ("indexed_attention"), and real GLM-5 config.json files do not carry it.
-    hf.pop("layer_types", None)
-    tokenizer = build_tokenizer(hf["vocab_size"])
+    flash = hf.get("model_type") in ("glm5_next", "glm5_next_text")
+    text = dict(hf.get("text_config") or hf) if flash else hf
+    if not flash:
+        # NOTE: "layer_types" is derived by transformers; older releases (5.17) reject the value newer ones
+        # write ("indexed_attention"), and real GLM-5 config.json files do not carry it.
+        hf.pop("layer_types", None)
+    tokenizer = build_tokenizer(text["vocab_size"])
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    hf.update(eos_token_id=[ids[t] for t in EOS_TOKENS], bos_token_id=ids["[gMASK]"],
-              pad_token_id=ids["<|endoftext|>"], dtype=str(dtype).removeprefix("torch."))
+    text.update(eos_token_id=[ids[t] for t in EOS_TOKENS], bos_token_id=ids["[gMASK]"],
+                pad_token_id=ids["<|endoftext|>"], dtype=str(dtype).removeprefix("torch."))
+    if flash:
+        text.pop("architectures", None)
+        text["model_type"] = "glm5_next_text"
+        hf = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
+              "text_config": text, "tie_word_embeddings": False, "dtype": text["dtype"],
+              "eos_token_id": text["eos_token_id"], "pad_token_id": text["pad_token_id"]}
     cfg = ModelConfig.from_hf(hf, dtype="float32")
-    model = GlmMoeDsaForCausalLM(cfg, Unquantized(), torch.float32)
+    model = MODEL_CLASSES[cfg.architecture](cfg, Unquantized(), torch.float32)
     init_dummy_weights(model, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     for name, p in model.named_parameters():          # perturb what random init leaves degenerate
@@ -106,7 +118,7 @@ def write_tiny(out_dir: str | os.PathLike, config: dict | None = None, seed: int
     tensors = {}
     for ckpt_name, (p, _, kw) in model.checkpoint_params().items():
         t = _export(p, kw)
-        keep_fp32 = ckpt_name.endswith("e_score_correction_bias")
+        keep_fp32 = ckpt_name.endswith(_FP32_TENSORS)
         tensors[ckpt_name] = t.to(torch.float32 if keep_fp32 else dtype).contiguous()
     names = sorted(tensors)
     per = -(-len(names) // num_shards)
@@ -123,7 +135,7 @@ def write_tiny(out_dir: str | os.PathLike, config: dict | None = None, seed: int
     with open(out / "config.json", "w") as f:
         json.dump(hf, f, indent=2)
     with open(out / "generation_config.json", "w") as f:
-        json.dump({"eos_token_id": hf["eos_token_id"], "pad_token_id": hf["pad_token_id"]}, f, indent=2)
+        json.dump({"eos_token_id": text["eos_token_id"], "pad_token_id": text["pad_token_id"]}, f, indent=2)
     tokenizer.save_pretrained(str(out))
     tc_path = out / "tokenizer_config.json"      # portable across transformers 5.x releases
     tc = json.loads(tc_path.read_text())
@@ -131,6 +143,11 @@ def write_tiny(out_dir: str | os.PathLike, config: dict | None = None, seed: int
     tc_path.write_text(json.dumps(tc, indent=2))
     logger.info("wrote tiny checkpoint to %s (%d tensors)", out, len(tensors))
     return out
+
+
+# stored fp32 in real checkpoints whatever the weight dtype (GLM-5.3-Flash: KDA conv/decay, mHC mixing)
+_FP32_TENSORS = ("e_score_correction_bias", "conv1d.weight", "dt_bias", "A_log", "hc_attn_base", "hc_attn_scale",
+                 "hc_ffn_base", "hc_ffn_scale")
 
 
 def _export(p: torch.Tensor, kw: dict) -> torch.Tensor:

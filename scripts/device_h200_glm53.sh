@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# GLM-5.3-Flash (glm5_next) on one H200, one device call (no Ray needed):
+#   bash scripts/device_h200_glm53.sh
+# 1. the GPU test suite (tests/gpu, incl. test_gpu_glm5_next.py: CUDA fp32 == CPU fp32 on a tiny
+#    glm5_next checkpoint from our writer; this machine's transformers has no glm5_next);
+# 2. offline throughput of glm53-flash-slice-8l (GLM-5.3-Flash layer shapes, 6 KDA + 2 MLA layers,
+#    dummy bf16 weights, torch-reference KDA) at batch 1/16/64, input 1024, output 64.
+set -uo pipefail
+source "$(dirname "$0")/device_common.sh"
+S=$OUT/summary_glm53.txt
+timeout 300 python3 -m pytest -q tests/gpu 2>&1 | tail -15 | tee $OUT/gpu_tests_h200.txt >> $S
+timeout 260 python3 -m glm_ray.bench.offline glm53-flash-slice-8l --load-format dummy --device cuda \
+    --dtype bfloat16 --batch 1 16 64 --input-len 1024 --output-len 64 \
+    --json $OUT/offline_glm53_slice8l_h200.jsonl 2>&1 | grep -vE "INFO|WARNING" | tail -12 >> $S
+nvidia-smi --query-gpu=name,memory.used --format=csv >> $S
+cat $S
