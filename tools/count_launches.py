@@ -3,7 +3,7 @@ bf16, batch 8, counted on the CPU with a TorchDispatchMode: a device-free proxy 
 that bounds a host-bound GPU decode step. `--by-module` splits the count by the innermost module
 (layer indices folded to N), which is where a launch cut has to happen.
 
-    python tools/count_launches.py [--by-module]
+    python tools/count_launches.py [--by-module] [--model DIR]   # e.g. a `make-tiny --config glm53-flash-tiny-text.json` dir
 """
 import argparse, collections, re
 import torch
@@ -21,8 +21,9 @@ class Count(TorchDispatchMode):
         return out
 a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 a.add_argument("--by-module", action="store_true")
+a.add_argument("--model", default=None, help="checkpoint directory (default: the cached tiny GLM-5)")
 a = a.parse_args()
-llm = LLM(None, dtype="bfloat16", kv_cache_memory_bytes=256 << 20)
+llm = LLM(a.model, dtype="bfloat16", kv_cache_memory_bytes=256 << 20)
 eng = llm.engine; g = torch.Generator().manual_seed(0)
 for i in range(8):
     eng.add_request(str(i), torch.randint(10, 1000, (40,), generator=g).tolist(), SamplingParams(max_tokens=64, ignore_eos=True, temperature=0))

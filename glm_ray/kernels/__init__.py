@@ -38,6 +38,9 @@ class KernelOps:
     fused_moe_mxfp4: Callable | None = None
     # dense MXFP4 W4A4 linear: x [..., K], w uint8 [N, K/2], w_scale uint8 [N, K/32], act_mode -> [..., N]
     mxfp4_linear: Callable | None = None
+    # mHC (GLM-5.3-Flash): (m [T, (2+n)n] fp32, base, scale [3], n, eps, iters) -> pre [T, n], post [T, n],
+    # comb [T, n, n]: sigmoid weights and the softmax + Sinkhorn recombination (kernels/torch_ref/mhc.py)
+    mhc_coefficients: Callable | None = None
 
 
 _REGISTRY: dict[str, Callable[[], KernelOps]] = {}
@@ -54,10 +57,12 @@ def register(name: str):
 def _torch_ops() -> KernelOps:
     from glm_ray.kernels.torch_ref import block_fp8_linear, fused_moe
     from glm_ray.kernels.torch_ref import quant_ops as q
+    from glm_ray.kernels.torch_ref.mhc import mhc_coefficients
     return KernelOps(name="torch", block_fp8_linear=block_fp8_linear, fused_moe=fused_moe,
                      block_fp8_linear_prepare=q.block_fp8_linear_prepare, moe_quant_layout=q.moe_quant_layout,
                      moe_quant_prepare=q.moe_quant_prepare, fused_moe_block_fp8=q.fused_moe_block_fp8,
-                     fused_moe_mxfp4=q.fused_moe_mxfp4, mxfp4_linear=q.mxfp4_linear)
+                     fused_moe_mxfp4=q.fused_moe_mxfp4, mxfp4_linear=q.mxfp4_linear,
+                     mhc_coefficients=mhc_coefficients)
 
 
 def _aiter_ops() -> KernelOps:

@@ -11,14 +11,16 @@ Per token, with `fn [(2+n)n, n·D]`, `base [(2+n)n]`, `scale [3]` (fp32; checkpo
     comb = Sinkhorn(softmax(m[2n:]·s2 + b[2n:]) + eps)       mixing matrix      [T, n, n]
     input = Σ_i pre_i·stream_i ;  new_stream_j = post_j·y + Σ_i comb_ij·stream_i
 
-Sinkhorn: one column normalisation, then (iters-1) × (row, column). The loop runs over iterations
-(20), vectorized over tokens. This module is the torch reference and the implementation.
+Sinkhorn: one column normalisation, then (iters-1) × (row, column). The coefficients (sigmoids,
+softmax, Sinkhorn) are the kernel op `mhc_coefficients` (torch reference: kernels/torch_ref/mhc.py;
+one Triton launch on the cuda backend); the projection and the collapse / expand are torch here.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from glm_ray import kernels
 from glm_ray.layers.weights import load_sharded, set_weight_attrs
 
 
@@ -48,14 +50,7 @@ class HyperConnection(nn.Module):
         flat = streams.reshape(T, n * D).float()                                # [T, nD]
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.rms_eps)
         m = flat @ self.fn.t()                                                  # [T, (2+n)n]
-        b, s = self.base, self.scale
-        pre = torch.sigmoid(m[:, :n] * s[0] + b[:n]) + self.hc_eps              # [T, n]
-        post = 2 * torch.sigmoid(m[:, n:2 * n] * s[1] + b[n:2 * n])             # [T, n]
-        comb = torch.softmax(m[:, 2 * n:].view(T, n, n) * s[2] + b[2 * n:].view(n, n), -1) + self.hc_eps
-        comb = comb / (comb.sum(-2, keepdim=True) + self.hc_eps)                # [T, n(in), n(out)]
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + self.hc_eps)
+        pre, post, comb = kernels.ops().mhc_coefficients(m, self.base, self.scale, n, self.hc_eps, self.iters)
         x = (pre[..., None] * streams).sum(1).to(streams.dtype)                 # [T, D]
         return x, post, comb
 

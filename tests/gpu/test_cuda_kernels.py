@@ -316,3 +316,17 @@ def test_mxfp4_linear(ck):
             y = ck.mxfp4_linear(x, w, s, act_mode=mode)
             r = ref.mxfp4_linear(x.float(), w, s, act_mode=mode)
             _record("mxfp4_linear", rel_err(y, r), TOL["mxfp4"], n=n, k=k, m=m, act_mode=mode)
+
+
+# ------------------------------------------------------------------------------- mHC (GLM-5.3-Flash)
+
+@pytest.mark.parametrize("T", [1, 37, 8192])
+def test_mhc_coefficients(ck, T):
+    """One Triton launch for the pre/post sigmoids and the softmax + 20-iteration Sinkhorn of every token."""
+    from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref
+    g = torch.Generator(device="cuda").manual_seed(T)
+    m = torch.randn(T, 24, device="cuda", generator=g) * 2
+    base, scale = torch.randn(24, device="cuda", generator=g) * 0.5, 1.0 + 0.3 * torch.randn(3, device="cuda", generator=g)
+    got, want = ck.mhc_coefficients(m, base, scale, 4, 1e-6, 20), ref(m, base, scale, 4, 1e-6, 20)
+    for name, a, b in zip(("pre", "post", "comb"), got, want):
+        _record("mhc_coefficients", rel_err(a, b), 1e-5, part=name, T=T)

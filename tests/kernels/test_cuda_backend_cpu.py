@@ -317,3 +317,28 @@ def test_scaled_mm_path_plumbing_with_emulated_gemm(interp, monkeypatch):
         want = ref_block_fp8_linear(x.to(BF16), w, s, out_dtype=torch.float32)
         y = ck.block_fp8_linear(x.to(BF16), wv, sv, (128, 128), out_dtype=BF16, **meta)
         assert y.shape == (5, n) and rel_err(y, want) < 8e-3 and not ck.fallbacks
+
+
+def _mhc_case(T, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (2 + n) * n
+    return (torch.randn(T, w, generator=g) * 2, torch.randn(w, generator=g) * 0.5,
+            1.0 + 0.3 * torch.randn(3, generator=g))
+
+
+@pytest.mark.parametrize("T,n", [(1, 4), (37, 4), (64, 2)])
+def test_interp_mhc_coefficients_match_reference(interp, T, n):
+    """GLM-5.3-Flash mHC: sigmoids + softmax + 20 Sinkhorn iterations in one kernel == the torch reference."""
+    from glm_ray.kernels.cuda import mhc as km
+    from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref
+    m, base, scale = _mhc_case(T, n)
+    for got, want in zip(km.mhc_coefficients(m, base, scale, n, 1e-6, 20), ref(m, base, scale, n, 1e-6, 20)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_mhc_coefficients_fall_back_on_cpu(cuda_backend):
+    from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref
+    m, base, scale = _mhc_case(5, 4)
+    for got, want in zip(cuda_backend.mhc_coefficients(m, base, scale, 4, 1e-6, 20), ref(m, base, scale, 4, 1e-6, 20)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert any(op == "mhc_coefficients" and "cpu" in r for op, r in cuda_backend.mhc_coefficients.__self__.fallbacks)

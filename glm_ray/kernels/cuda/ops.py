@@ -326,6 +326,17 @@ class CudaKernels:
         return self._guarded("mxfp4_linear", fast,
                              lambda: ref.mxfp4_linear(x, w, w_scale, act_mode=act_mode, out_dtype=out_dtype))
 
+    # ---- mHC mixing coefficients (GLM-5.3-Flash) ---------------------------------------------------
+    def mhc_coefficients(self, m, base, scale, n: int, eps: float, iters: int):
+        from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref
+        reason = self._gpu_reason(m, 70, need_triton=True)
+        if reason is not None:
+            self._fallback("mhc_coefficients", reason)
+            return ref(m, base, scale, n, eps, iters)
+        from glm_ray.kernels.cuda.mhc import mhc_coefficients as fast   # noqa: PLC0415 (imports triton)
+        return self._guarded("mhc_coefficients", lambda: fast(m, base, scale, n, eps, iters),
+                             lambda: ref(m, base, scale, n, eps, iters))
+
 
 def make_ops(fp8_gemm: str | None = None):
     """KernelOps for the cuda backend (moe_quant_layout / moe_quant_prepare are inherited from torch)."""
@@ -333,4 +344,5 @@ def make_ops(fp8_gemm: str | None = None):
     k = CudaKernels(fp8_gemm)
     return KernelOps(name="cuda", block_fp8_linear=k.block_fp8_linear, fused_moe=k.fused_moe,
                      block_fp8_linear_prepare=k.block_fp8_linear_prepare, fused_moe_block_fp8=k.fused_moe_block_fp8,
-                     fused_moe_mxfp4=k.fused_moe_mxfp4, mxfp4_linear=k.mxfp4_linear)
+                     fused_moe_mxfp4=k.fused_moe_mxfp4, mxfp4_linear=k.mxfp4_linear,
+                     mhc_coefficients=k.mhc_coefficients)
