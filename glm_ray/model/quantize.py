@@ -136,16 +136,24 @@ class _Plan:
 
     def __init__(self, scheme: str, hf: dict, keep_bf16: tuple[str, ...]):
         self.scheme = scheme
+        hf = hf.get("text_config") or hf                   # glm5_next nests the text model's config
         self.L = int(hf["num_hidden_layers"])
         self.first_dense = int(hf.get("first_k_dense_replace", 0) or 0)
         mlp_types = hf.get("mlp_layer_types")
         self.sparse = {i for i in range(self.L)
                        if (mlp_types[i] == "sparse" if mlp_types else i >= self.first_dense)}
         self.keep_bf16 = tuple(keep_bf16)
+        self.mtp = bool(int(hf.get("num_nextn_predict_layers", 0) or 0))
+        # GLM-5.3-Flash KDA layers: their projections stay bf16 (no published FP8/MXFP4 recipe for them)
+        self.kda = {i for i, t in enumerate(hf.get("layer_types") or []) if t == "linear_attention"}
+
+    def is_kda(self, module: str) -> bool:
+        m = _LAYER.match(module)
+        return m is not None and int(m.group(1)) in self.kda and ".self_attn." in module
 
     def fmt(self, module: str) -> str:
         """'fp8' | 'mxfp4' | 'keep' for a module holding a 2-D `.weight`."""
-        if not _FP8_LINEARS.search(module) or _matches_any(module, self.keep_bf16):
+        if not _FP8_LINEARS.search(module) or _matches_any(module, self.keep_bf16) or self.is_kda(module):
             return "keep"
         if self.scheme == "fp8-block":
             return "fp8"
@@ -195,7 +203,7 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: 
                     lm_prefix = "model.language_model.layers"
                 fmt = plan.fmt(module) if (module and t.ndim == 2 and t.dtype.is_floating_point) else "keep"
                 if module and t.ndim == 2 and fmt == "keep" and (_FP8_LINEARS.search(module)
-                                                                 or _BF16_LINEARS.search(module)):
+                                                                 or _BF16_LINEARS.search(module) or plan.is_kda(module)):
                     unquantized_linears.add(module)
                 counts[fmt] += 1 if module else 0
                 if fmt == "fp8":
@@ -222,7 +230,7 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: 
         qc = fp8_quantization_config(sorted(unquantized_linears), ue8m0=ue8m0)
     else:
         qc = quark_quantization_config(_quark_exclude(sorted(unquantized_linears), plan, lm_prefix),
-                                       plan.L if int(hf.get("num_nextn_predict_layers", 0) or 0) else None,
+                                       plan.L if plan.mtp else None,
                                        prefix=lm_prefix, scale_mode=scale_mode)
     hf["quantization_config"] = qc
     with open(dst / "config.json", "w") as f:
