@@ -13,6 +13,7 @@ Gate: only unquantized q_b_proj / o_proj, and only where the backend has a fast 
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ from glm_ray.quant.unquantized import UnquantizedLinearMethod
 logger = logging.getLogger(__name__)
 
 PROJ_SUFFIXES = (".self_attn.q_b_proj", ".self_attn.o_proj")
+_LAYER = re.compile(r"\.layers\.(\d+)\.self_attn\.")
 BLOCK = (128, 128)
 
 
@@ -73,8 +75,11 @@ class Fp8ProjOverlay(QuantConfig):
     """Wraps the checkpoint's QuantConfig: q_b_proj / o_proj that it leaves unquantized get the
     FP8-projection method. `force` runs it on any backend (tests of the FP8 path on CPU)."""
 
-    def __init__(self, base: QuantConfig, min_tokens: int = 512, force: bool = False):
+    def __init__(self, base: QuantConfig, min_tokens: int = 512, force: bool = False,
+                 mla_layers: set[int] | None = None):
         self.base = base
+        # hybrid models (GLM-5.3-Flash): only the MLA layers' projections, not a KDA layer's o_proj
+        self.mla_layers = mla_layers
         self.name = base.name
         self.min_tokens = min_tokens
         reason = None if force else fp8_proj_unsupported_reason()
@@ -88,5 +93,7 @@ class Fp8ProjOverlay(QuantConfig):
     def get_method(self, layer, prefix):
         m = self.base.get_method(layer, prefix)
         if self.active and prefix.endswith(PROJ_SUFFIXES) and type(m) is UnquantizedLinearMethod:
-            return Fp8ProjGemmMethod(m, self.min_tokens)
+            layer = _LAYER.search(prefix)
+            if self.mla_layers is None or (layer is not None and int(layer.group(1)) in self.mla_layers):
+                return Fp8ProjGemmMethod(m, self.min_tokens)
         return m

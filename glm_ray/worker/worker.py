@@ -61,6 +61,7 @@ class Worker:
         if self.cfg.fp8_proj_gemm:
             from glm_ray.quant.fp8_proj import Fp8ProjOverlay
             quant = Fp8ProjOverlay(quant, self.cfg.fp8_proj_min_tokens,
+                                   mla_layers=set(self.model_cfg.attention_layers()),
                                    force=os.environ.get("GLM_RAY_FP8_PROJ_FORCE") == "1")
         with torch.device(self.device):
             self.model = cls(self.model_cfg, quant, self.model_cfg.dtype, tp=self.tp).eval()

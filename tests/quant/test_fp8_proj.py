@@ -82,6 +82,20 @@ def test_only_q_b_and_o_proj_and_only_unquantized():
         assert pick(other) == "UnquantizedLinearMethod"
 
 
+def test_hybrid_model_only_mla_layers(monkeypatch, tmp_path):
+    """GLM-5.3-Flash: the MLA layers' q_b_proj / o_proj take the FP8 path; a KDA layer's o_proj
+    (also `self_attn.o_proj`) does not — the flag is about the MLA projections only."""
+    from glm_ray.model.tiny import bundled_config, write_tiny
+    from glm_ray.quant.fp8_proj import Fp8ProjGemmMethod
+    path = write_tiny(tmp_path / "flash", bundled_config("glm53-flash-tiny-text.json"))
+    monkeypatch.setenv("GLM_RAY_FP8_PROJ_FORCE", "1")
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=16 << 20, fp8_proj_gemm=True)
+    layers = llm.engine.executor.worker.model.model.language_model.layers
+    assert type(layers[3].self_attn.q_b_proj.quant_method) is Fp8ProjGemmMethod           # MLA
+    assert type(layers[3].self_attn.o_proj.quant_method) is Fp8ProjGemmMethod
+    assert type(layers[0].self_attn.o_proj.quant_method) is UnquantizedLinearMethod       # KDA
+
+
 def test_unsupported_backend_is_logged_noop(tiny_dir, caplog, monkeypatch):
     monkeypatch.delenv("GLM_RAY_FP8_PROJ_FORCE", raising=False)
     assert fp8_proj_unsupported_reason(kernels.ops()) is not None          # torch reference on CPU
