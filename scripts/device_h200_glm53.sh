@@ -6,17 +6,19 @@
 # 2. offline throughput of glm53-flash-slice-8l (GLM-5.3-Flash layer shapes, 6 KDA + 2 MLA layers,
 #    dummy bf16 weights, torch-reference KDA) at batch 1/16/64, input 1024, output 64, with the mHC
 #    coefficients as one Triton kernel vs the torch reference (alternating, two runs each).
+# OP=kda_decode TESTS="tests/gpu -k 'kda or glm5'" ARMS="triton torch triton torch" picks the kernel
+# whose A/B runs and the tests before it (defaults: the mHC kernel, all of tests/gpu).
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"
-S=$OUT/summary_glm53.txt
-timeout 300 python3 -m pytest -q tests/gpu 2>&1 | tail -15 | tee $OUT/gpu_tests_h200.txt >> $S
-# mHC coefficients: one Triton kernel (default) vs the torch reference (GLM_RAY_TORCH_OPS), A B A B
-for ARM in triton torch triton torch; do
-  [ $ARM = torch ] && export GLM_RAY_TORCH_OPS=mhc_coefficients || unset GLM_RAY_TORCH_OPS
-  echo "== mhc_coefficients: $ARM" >> $S
+S=$OUT/summary_glm53.txt; OP=${OP:-mhc_coefficients}; TESTS=${TESTS:-tests/gpu}
+eval timeout 300 python3 -m pytest -q $TESTS 2>&1 | tail -15 | tee $OUT/gpu_tests_h200.txt >> $S
+# one Triton kernel (default) vs the torch reference for $OP (GLM_RAY_TORCH_OPS), alternating
+for ARM in ${ARMS:-triton torch triton torch}; do
+  [ $ARM = torch ] && export GLM_RAY_TORCH_OPS=$OP || unset GLM_RAY_TORCH_OPS
+  echo "== $OP: $ARM" >> $S
   timeout 150 python3 -m glm_ray.bench.offline glm53-flash-slice-8l --load-format dummy --device cuda \
       --dtype bfloat16 --batch 1 16 64 --input-len 1024 --output-len 64 \
-      --json $OUT/offline_glm53_slice8l_h200_mhc_$ARM.jsonl 2>&1 | grep -vE "INFO|WARNING" | tail -4 >> $S
+      --json $OUT/offline_glm53_slice8l_h200_${OP}_$ARM.jsonl 2>&1 | grep -vE "INFO|WARNING" | tail -4 >> $S
 done
 unset GLM_RAY_TORCH_OPS
 nvidia-smi --query-gpu=name,memory.used --format=csv >> $S

@@ -41,6 +41,9 @@ class KernelOps:
     # mHC (GLM-5.3-Flash): (m [T, (2+n)n] fp32, base, scale [3], n, eps, iters) -> pre [T, n], post [T, n],
     # comb [T, n, n]: sigmoid weights and the softmax + Sinkhorn recombination (kernels/torch_ref/mhc.py)
     mhc_coefficients: Callable | None = None
+    # KDA decode step against the state cache (GLM-5.3-Flash): (q, k, g [B, H, dk], v [B, H, dv], beta [B, H],
+    # state [S, H, dk, dv] fp32 updated in place at slots [B], fresh [B] bool) -> o [B, H, dv]
+    kda_decode: Callable | None = None
 
 
 _REGISTRY: dict[str, Callable[[], KernelOps]] = {}
@@ -57,12 +60,13 @@ def register(name: str):
 def _torch_ops() -> KernelOps:
     from glm_ray.kernels.torch_ref import block_fp8_linear, fused_moe
     from glm_ray.kernels.torch_ref import quant_ops as q
+    from glm_ray.kernels.torch_ref.kda import kda_decode
     from glm_ray.kernels.torch_ref.mhc import mhc_coefficients
     return KernelOps(name="torch", block_fp8_linear=block_fp8_linear, fused_moe=fused_moe,
                      block_fp8_linear_prepare=q.block_fp8_linear_prepare, moe_quant_layout=q.moe_quant_layout,
                      moe_quant_prepare=q.moe_quant_prepare, fused_moe_block_fp8=q.fused_moe_block_fp8,
                      fused_moe_mxfp4=q.fused_moe_mxfp4, mxfp4_linear=q.mxfp4_linear,
-                     mhc_coefficients=mhc_coefficients)
+                     mhc_coefficients=mhc_coefficients, kda_decode=kda_decode)
 
 
 def _aiter_ops() -> KernelOps:

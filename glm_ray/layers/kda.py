@@ -21,7 +21,8 @@ from torch import nn
 
 from glm_ray.config import ModelConfig
 from glm_ray.distributed.parallel_state import tp_rank
-from glm_ray.kernels.torch_ref.kda import causal_conv1d, kda_chunked, kda_recurrent
+from glm_ray import kernels
+from glm_ray.kernels.torch_ref.kda import causal_conv1d, kda_chunked
 from glm_ray.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.layers.weights import load_sharded, set_weight_attrs
 from glm_ray.model.forward_batch import AttnGroup, ForwardBatch
@@ -123,7 +124,6 @@ class KimiDeltaAttention(nn.Module):
         h, dk = self.h, self.dk
         slots, fresh, valid = grp.state_slots, grp.state_fresh, grp.q_valid   # [B], [B], [B, Q]
         cs0 = torch.where(fresh[:, None, None], 0, conv_state[slots])         # [B, K-1, 3·h·dk]
-        rs0 = torch.where(fresh[:, None, None, None], 0, rec_state[slots])    # [B, h, dk, dv]
         y, cs1 = causal_conv1d(mixed[grp.q_index], cs0, w, valid.sum(1))      # [B, Q, 3·h·dk]
         q, k, v = y.view(B, Q, 3, h, dk).unbind(2)                            # [B, Q, h, dk] each
         keep = valid[..., None, None]                                         # [B, Q, 1, 1]
@@ -131,10 +131,12 @@ class KimiDeltaAttention(nn.Module):
         gg = g[grp.q_index] * keep                                            # [B, Q, h, dk], padding 0
         bb = beta[grp.q_index] * valid[..., None]                             # [B, Q, h], padding 0
         if Q == 1:                                                            # decode
-            out, rs1 = kda_recurrent(q[:, 0], k[:, 0], v[:, 0], gg[:, 0], bb[:, 0], rs0)
-            out = out[:, None]                                                # [B, 1, h, dv]
+            # one kernel op: read the state at the slots, one delta-rule step, write it back in place
+            out = kernels.ops().kda_decode(q[:, 0], k[:, 0], v[:, 0], gg[:, 0], bb[:, 0], rec_state, slots,
+                                           fresh)[:, None]                    # [B, 1, h, dv]
         else:
+            rs0 = torch.where(fresh[:, None, None, None], 0, rec_state[slots])    # [B, h, dk, dv]
             out, rs1 = kda_chunked(q, k, v, gg, bb, rs0)                      # [B, Q, h, dv]
+            rec_state.index_copy_(0, slots, rs1.to(rec_state.dtype))
         conv_state.index_copy_(0, slots, cs1.to(conv_state.dtype))
-        rec_state.index_copy_(0, slots, rs1.to(rec_state.dtype))
         return out[valid]                                                     # [Tg, h, dv]

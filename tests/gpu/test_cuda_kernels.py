@@ -330,3 +330,21 @@ def test_mhc_coefficients(ck, T):
     got, want = ck.mhc_coefficients(m, base, scale, 4, 1e-6, 20), ref(m, base, scale, 4, 1e-6, 20)
     for name, a, b in zip(("pre", "post", "comb"), got, want):
         _record("mhc_coefficients", rel_err(a, b), 1e-5, part=name, T=T)
+
+
+@pytest.mark.parametrize("B", [1, 64])
+def test_kda_decode(ck, B):
+    """KDA decode step at GLM-5.3-Flash head shapes (dk = dv = 128), state updated in place at the slots."""
+    from glm_ray.kernels.torch_ref.kda import kda_decode as ref
+    g = torch.Generator(device="cuda").manual_seed(B)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    q, k, v = r(B, 8, 128).bfloat16(), r(B, 8, 128).bfloat16(), r(B, 8, 128).bfloat16()
+    gate, beta = -torch.rand(B, 8, 128, device="cuda", generator=g) * 2, torch.rand(B, 8, device="cuda", generator=g)
+    state = r(96, 8, 128, 128)
+    slots = torch.randperm(96, device="cuda", generator=g)[:B]
+    fresh = torch.rand(B, device="cuda", generator=g) < 0.3
+    s_ref, s_got = state.clone(), state.clone()
+    want = ref(q, k, v, gate, beta, s_ref, slots, fresh)
+    got = ck.kda_decode(q, k, v, gate, beta, s_got, slots, fresh)
+    _record("kda_decode", rel_err(got.float(), want.float()), 1e-2, part="out", B=B)     # bf16 output rounding
+    _record("kda_decode", rel_err(s_got, s_ref), 1e-5, part="state", B=B)

@@ -342,3 +342,36 @@ def test_mhc_coefficients_fall_back_on_cpu(cuda_backend):
     for got, want in zip(cuda_backend.mhc_coefficients(m, base, scale, 4, 1e-6, 20), ref(m, base, scale, 4, 1e-6, 20)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert any(op == "mhc_coefficients" and "cpu" in r for op, r in cuda_backend.mhc_coefficients.__self__.fallbacks)
+    from glm_ray.kernels.torch_ref.kda import kda_decode as ref_kda
+    q, k, v, g, beta, state, slots, fresh = _kda_case(3, 2, 32, 32, 6)
+    s_ref, s_got = state.clone(), state.clone()
+    torch.testing.assert_close(cuda_backend.kda_decode(q, k, v, g, beta, s_got, slots, fresh),
+                               ref_kda(q, k, v, g, beta, s_ref, slots, fresh), rtol=0, atol=0)
+    assert torch.equal(s_got, s_ref)
+
+
+def _kda_case(B, H, dk, dv, S, seed=0, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, device=device)
+    q, k, v = r(B, H, dk), r(B, H, dk), r(B, H, dv)
+    gate = -torch.rand(B, H, dk, generator=g, device=device) * 2                # log-decay <= 0
+    beta = torch.rand(B, H, generator=g, device=device)
+    state = r(S, H, dk, dv)
+    slots = torch.randperm(S, generator=g, device=device)[:B]
+    fresh = torch.rand(B, generator=g, device=device) < 0.3
+    return q, k, v, gate, beta, state, slots, fresh
+
+
+@pytest.mark.parametrize("dk,dv", [(32, 32), (32, 48)])
+def test_interp_kda_decode_matches_reference(interp, dk, dv):
+    """GLM-5.3-Flash KDA decode: state read at the slots (zero when fresh), one delta-rule step, state
+    written back in place — one kernel == the torch reference (output and every state row)."""
+    from glm_ray.kernels.cuda import kda as kk
+    from glm_ray.kernels.torch_ref.kda import kda_decode as ref
+    q, k, v, g, beta, state, slots, fresh = _kda_case(3, 2, dk, dv, 6)
+    fresh[:] = torch.tensor([False, True, False])
+    s_ref, s_got = state.clone(), state.clone()
+    want = ref(q, k, v, g, beta, s_ref, slots, fresh)
+    got = kk.kda_decode(q, k, v, g, beta, s_got, slots, fresh)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_got, s_ref, rtol=1e-5, atol=1e-5)        # untouched rows equal too

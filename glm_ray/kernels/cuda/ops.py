@@ -337,6 +337,18 @@ class CudaKernels:
         return self._guarded("mhc_coefficients", lambda: fast(m, base, scale, n, eps, iters),
                              lambda: ref(m, base, scale, n, eps, iters))
 
+    # ---- KDA decode step (GLM-5.3-Flash) ----------------------------------------------------------
+    def kda_decode(self, q, k, v, g, beta, state, slots, fresh):
+        from glm_ray.kernels.torch_ref.kda import kda_decode as ref
+        args = (q, k, v, g, beta, state, slots, fresh)
+        reason = self._gpu_reason(q, 70, need_triton=True)
+        if reason is not None:
+            self._fallback("kda_decode", reason)
+            return ref(*args)
+        from glm_ray.kernels.cuda.kda import kda_decode as fast          # noqa: PLC0415 (imports triton)
+        # NOTE: the kernel writes the state in place; a failure before any store leaves it intact
+        return self._guarded("kda_decode", lambda: fast(*args), lambda: ref(*args))
+
 
 def make_ops(fp8_gemm: str | None = None):
     """KernelOps for the cuda backend (moe_quant_layout / moe_quant_prepare are inherited from torch)."""
@@ -345,4 +357,4 @@ def make_ops(fp8_gemm: str | None = None):
     return KernelOps(name="cuda", block_fp8_linear=k.block_fp8_linear, fused_moe=k.fused_moe,
                      block_fp8_linear_prepare=k.block_fp8_linear_prepare, fused_moe_block_fp8=k.fused_moe_block_fp8,
                      fused_moe_mxfp4=k.fused_moe_mxfp4, mxfp4_linear=k.mxfp4_linear,
-                     mhc_coefficients=k.mhc_coefficients)
+                     mhc_coefficients=k.mhc_coefficients, kda_decode=k.kda_decode)

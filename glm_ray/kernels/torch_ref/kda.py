@@ -151,3 +151,16 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
     idx = lengths.to(torch.int64)[:, None] + torch.arange(K - 1, device=x.device)    # [B, K-1] rows of xs
     new_state = xs.gather(1, idx[..., None].expand(B, K - 1, C))             # [B, K-1, C]
     return y, new_state
+
+
+def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """The decode step against the state cache (the `kda_decode` kernel op's reference).
+
+    q, k, g [B, H, dk]; v [B, H, dv]; beta [B, H]; state [S, H, dk, dv] fp32, rows `slots` [B] read
+    (as zeros where `fresh` [B]) and overwritten in place with the new states. Returns o [B, H, dv].
+    """
+    s0 = torch.where(fresh[:, None, None, None], 0, state[slots])              # [B, H, dk, dv]
+    o, s1 = kda_recurrent(q, k, v, g, beta, s0)
+    state.index_copy_(0, slots, s1)
+    return o
