@@ -82,6 +82,7 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = col(dk, H * dk, "g_b_proj")
         self.o_norm = GatedRMSNorm(dk, cfg.rms_norm_eps, params_dtype)
         self.o_proj = RowParallelLinear(H * dk, D, prefix=f"{prefix}.o_proj", tp=tp, **common)
+        self._conv_w: torch.Tensor | None = None                              # [3·h·dk, K] after loading
 
     def _sharded_fp32(self, n: int) -> nn.Parameter:
         p = nn.Parameter(torch.zeros(n, dtype=torch.float32), requires_grad=False)
@@ -91,8 +92,13 @@ class KimiDeltaAttention(nn.Module):
         load_sharded(param, ckpt, shard_dim=0, rank=tp_rank(), tp=self.tp)
 
     def conv_weight(self) -> torch.Tensor:
-        """[3·h·dk, K] fp32, channels q|k|v (the layout of conv_state's last dim)."""
-        return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        """[3·h·dk, K] fp32, channels q|k|v (the layout of conv_state's last dim); built once after loading."""
+        if self._conv_w is None:
+            self.process_weights_after_loading()
+        return self._conv_w
+
+    def process_weights_after_loading(self) -> None:
+        self._conv_w = torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> log-decay g [T, h, dk] fp32 (<= 0)."""

@@ -106,8 +106,8 @@ class GlmMoeDsaForCausalLM(nn.Module):
             qm = getattr(m, "quant_method", None)
             if qm is not None:
                 qm.process_weights_after_loading(m)
-        for m in self.modules():
-            if isinstance(m, MLAAttention):
+        for m in self.modules():        # layers that derive runtime tensors (MLA's W_UK/W_UV, KDA's conv taps)
+            if m is not self and callable(getattr(type(m), "process_weights_after_loading", None)):
                 m.process_weights_after_loading()
 
     # ---- checkpoint names ------------------------------------------------------------------
