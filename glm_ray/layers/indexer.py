@@ -39,8 +39,10 @@ class Indexer(nn.Module):
         self.weights_proj = ReplicatedLinear(cfg.hidden_size, self.n_heads, quant_config=Unquantized(),
                                              prefix=f"{prefix}.weights_proj", params_dtype=torch.float32)
 
-    def _rope(self, x, rope: RopeCache):
+    def _rope(self, x, rope: RopeCache | None):
         r = self.rope_dim
+        if r == 0:                                                           # NoPE (GLM-5.3-Flash)
+            return x
         return torch.cat([apply_rope(x[..., :r], rope, self.interleave), x[..., r:]], dim=-1)
 
     def write_keys(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeCache, key_cache: torch.Tensor) -> None:

@@ -1,7 +1,8 @@
 """K-pool DSA indexer (GLM-5.3-Flash, `glm5_next`): the lightning indexer scores *pools* of
 `index_kpool` consecutive tokens instead of single tokens. Same interface as `indexer.Indexer`.
 
-NoPE: no rotary anywhere (the `rope` arguments are ignored). Per token the index cache row holds
+NoPE: no rotary anywhere (qk_rope_head_dim = 0; the `rope` arguments may be None). The projections
+(wq_b, wk, k_norm, weights_proj) and `queries` are the GLM-5 `Indexer`'s. Per token the index cache row holds
 `[ki | gi]` (2·di): the key `ki = LayerNorm(wk(x))` and its pool gate score `gi = x @ gateᵀ`.
 Pools tile every sequence from position 0: pool p = positions [p·kp, (p+1)·kp). Its key is the
 per-channel softmax-weighted mean of its tokens' keys, logits `gi + ape[offset in pool]`.
@@ -28,8 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm_ray.config import ModelConfig
-from glm_ray.layers.linear import ReplicatedLinear
-from glm_ray.layers.norm import LayerNorm
+from glm_ray.layers.indexer import Indexer
 from glm_ray.layers.rotary import RopeCache
 from glm_ray.layers.weights import load_sharded, set_weight_attrs
 from glm_ray.model.forward_batch import AttnGroup, ForwardBatch
@@ -38,30 +38,22 @@ from glm_ray.model.forward_batch import AttnGroup, ForwardBatch
 _SCORE_BYTES = 256 * 2**20
 
 
-class KPoolIndexer(nn.Module):
+class KPoolIndexer(Indexer):
+    """The GLM-5 indexer's projections and queries (inherited), with pooled keys: its own cache row
+    layout (`write_keys`) and selection (`select`)."""
+
     def __init__(self, cfg: ModelConfig, *, quant_config, prefix: str, params_dtype):
-        super().__init__()
-        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.kpool, self.tail = cfg.index_kpool, cfg.index_kpool_always_select_tail
         if cfg.index_kpool <= 0:
             raise ValueError("KPoolIndexer needs index_kpool > 0")
         if cfg.qk_rope_head_dim:
             raise ValueError("the k-pool indexer is NoPE (GLM-5.3-Flash): qk_rope_head_dim must be 0")
-        self.index_topk = cfg.index_topk
+        super().__init__(cfg, quant_config=quant_config, prefix=prefix, params_dtype=params_dtype)
+        self.kpool, self.tail = cfg.index_kpool, cfg.index_kpool_always_select_tail
         self.pool_topk = cfg.index_topk // cfg.index_kpool                 # pools selected per query
         # threshold of the MLA layer's dense-causal skip: exact only with the tail (module docstring)
         self.topk = cfg.index_topk if self.tail else 0
         self.cache_dim = 2 * self.head_dim                                   # [ki | gi] per token
         di, D = self.head_dim, cfg.hidden_size
-        self.wq_b = ReplicatedLinear(cfg.q_lora_rank, self.n_heads * di, quant_config=quant_config,
-                                     prefix=f"{prefix}.wq_b", params_dtype=params_dtype)
-        self.wk = ReplicatedLinear(D, di, quant_config=quant_config, prefix=f"{prefix}.wk",
-                                   params_dtype=params_dtype)
-        self.k_norm = LayerNorm(di, eps=1e-6, dtype=params_dtype)
-        # NOTE: weights_proj stays fp32 and unquantized in every GLM checkpoint.
-        from glm_ray.quant import Unquantized
-        self.weights_proj = ReplicatedLinear(D, self.n_heads, quant_config=Unquantized(),
-                                             prefix=f"{prefix}.weights_proj", params_dtype=torch.float32)
         # plain (never quantized) params: ape is only added to fp32 logits; gate runs in the model dtype
         self.index_kpool_compress_ape = self._param(torch.zeros(self.kpool, di, dtype=torch.float32))
         self.index_kpool_compress_gate = self._param(torch.zeros(di, D, dtype=params_dtype))
@@ -80,14 +72,6 @@ class KPoolIndexer(nn.Module):
         ki = self.k_norm(self.wk(x))                                          # [T, di]
         gi = F.linear(x, self.index_kpool_compress_gate.to(x.dtype))          # [T, di]
         key_cache.index_copy_(0, batch.slot_mapping, torch.cat([ki, gi], -1).to(key_cache.dtype))
-
-    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, rope: RopeCache | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Index queries [T, Hi, di] fp32 and head weights [T, Hi] fp32 of every row of T."""
-        T = x.shape[0]
-        qi = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
-        w = self.weights_proj(x.float()) * self.n_heads ** -0.5
-        return qi.float(), w
 
     def _pool_keys(self, slots: torch.Tensor, key_cache: torch.Tensor) -> torch.Tensor:
         """Pool keys [B, n, di] fp32 of the pools whose token slots are `slots` [B, n*kp]."""

@@ -18,6 +18,7 @@ one Triton launch on the cuda backend); the projection and the collapse / expand
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from glm_ray import kernels
@@ -47,8 +48,7 @@ class HyperConnection(nn.Module):
     def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, n, D] -> (sublayer input [T, D] in streams.dtype, post [T, n], comb [T, n, n] fp32)."""
         T, n, D = streams.shape
-        flat = streams.reshape(T, n * D).float()                                # [T, nD]
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.rms_eps)
+        flat = F.rms_norm(streams.reshape(T, n * D).float(), (n * D,), eps=self.rms_eps)   # [T, nD] unweighted
         m = flat @ self.fn.t()                                                  # [T, (2+n)n]
         pre, post, comb = kernels.ops().mhc_coefficients(m, self.base, self.scale, n, self.hc_eps, self.iters)
         x = (pre[..., None] * streams).sum(1).to(streams.dtype)                 # [T, D]

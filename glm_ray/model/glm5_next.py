@@ -24,10 +24,9 @@ from glm_ray.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from glm_ray.layers.kda import KimiDeltaAttention
 from glm_ray.layers.mhc import HyperConnection
 from glm_ray.layers.mla import MLAAttention
-from glm_ray.layers.moe import MLP, MoE
 from glm_ray.layers.norm import RMSNorm
 from glm_ray.model.forward_batch import ForwardBatch
-from glm_ray.model.glm_moe_dsa import GlmMoeDsaForCausalLM, _lm_head_quant
+from glm_ray.model.glm_moe_dsa import GlmMoeDsaForCausalLM, _lm_head_quant, make_mlp
 
 # KDA layer index -> (conv_state [S, K-1, 3·H·dk], recurrent state [S, H, dk, dv] fp32)
 StateCaches = dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -46,11 +45,8 @@ class HybridDecoderLayer(nn.Module):
             self.self_attn = MLAAttention(cfg, layer_idx=idx, full_indexer=None if t == "none" else t == "full", **kw)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, params_dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, params_dtype)
-        if cfg.mlp_layer_types[idx] == "sparse":
-            self.mlp = MoE(cfg, quant_config=quant_config, prefix=f"{prefix}.mlp", params_dtype=params_dtype, tp=tp)
-        else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, quant_config=quant_config, prefix=f"{prefix}.mlp",
-                           params_dtype=params_dtype, tp=tp, swiglu_limit=cfg.swiglu_limit)
+        self.mlp = make_mlp(cfg, cfg.mlp_layer_types[idx] == "sparse", quant_config=quant_config,
+                            prefix=f"{prefix}.mlp", params_dtype=params_dtype, tp=tp)
         hc = dict(rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
         self.hc_attn = HyperConnection(cfg.hc_mult, cfg.hidden_size, **hc)
         self.hc_ffn = HyperConnection(cfg.hc_mult, cfg.hidden_size, **hc)
@@ -58,8 +54,9 @@ class HybridDecoderLayer(nn.Module):
     def forward(self, streams, batch, kv_cache, index_cache, state, prev_mask):
         x, post, comb = self.hc_attn.collapse(streams)                          # [T, D]
         x = self.input_layernorm(x)
+        mask = prev_mask                                                        # IndexShare masks pass KDA layers
         if self.linear:
-            h, mask = self.self_attn(x, batch, *state), prev_mask               # IndexShare skips KDA layers
+            h = self.self_attn(x, batch, *state)
         else:
             h, mask = self.self_attn(x, batch, None, kv_cache, index_cache, prev_mask)
         streams = self.hc_attn.expand(h, streams, post, comb)                   # [T, n, D]

@@ -22,6 +22,14 @@ from glm_ray.layers.rotary import RotaryEmbedding
 from glm_ray.model.forward_batch import ForwardBatch
 
 
+def make_mlp(cfg: ModelConfig, sparse: bool, *, quant_config, prefix: str, params_dtype, tp: int) -> nn.Module:
+    """The FFN of a decoder layer: routed + shared experts, or a dense (clamped) SwiGLU MLP."""
+    if sparse:
+        return MoE(cfg, quant_config=quant_config, prefix=prefix, params_dtype=params_dtype, tp=tp)
+    return MLP(cfg.hidden_size, cfg.intermediate_size, quant_config=quant_config, prefix=prefix,
+               params_dtype=params_dtype, tp=tp, swiglu_limit=cfg.swiglu_limit)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int, *, sparse: bool, full_indexer: bool | None, quant_config,
                  params_dtype, tp: int):
@@ -32,11 +40,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAAttention(cfg, layer_idx=idx, full_indexer=full_indexer, quant_config=quant_config,
                                       prefix=f"{prefix}.self_attn", params_dtype=params_dtype, tp=tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, params_dtype)
-        if sparse:
-            self.mlp = MoE(cfg, quant_config=quant_config, prefix=f"{prefix}.mlp", params_dtype=params_dtype, tp=tp)
-        else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, quant_config=quant_config, prefix=f"{prefix}.mlp",
-                           params_dtype=params_dtype, tp=tp, swiglu_limit=cfg.swiglu_limit)
+        self.mlp = make_mlp(cfg, sparse, quant_config=quant_config, prefix=f"{prefix}.mlp", params_dtype=params_dtype,
+                            tp=tp)
 
     def forward(self, x, batch, rope, kv_cache, index_cache, prev_mask):
         h, mask = self.self_attn(self.input_layernorm(x), batch, rope, kv_cache, index_cache, prev_mask)

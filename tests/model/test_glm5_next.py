@@ -28,10 +28,6 @@ def oracle(flash_dir):
     return load_flash_oracle(flash_dir)
 
 
-def _oracle_logprobs(oracle, ids: list[int]) -> torch.Tensor:
-    return flash_oracle_logprobs(oracle, ids)                                 # [S, V]
-
-
 def _prompts(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(10, 1000, (n,), generator=g).tolist() for n in lengths]
@@ -46,7 +42,7 @@ def test_logprobs_match_transformers(flash_dir, oracle, chunk):
     worst_prompt = worst_gen = 0.0
     for p, o in zip(prompts, outs):
         gen = o.outputs[0]
-        ref = _oracle_logprobs(oracle, p + gen.token_ids)                     # [P+G, V]
+        ref = flash_oracle_logprobs(oracle, p + gen.token_ids)                     # [P+G, V]
         for i in range(1, len(p)):
             worst_prompt = max(worst_prompt, abs(o.prompt_logprobs[i][p[i]] - ref[i - 1, p[i]].item()))
         for j, t in enumerate(gen.token_ids):
@@ -69,7 +65,7 @@ def test_preempted_request_restarts_its_state(flash_dir, oracle):
     assert llm.engine.num_preemptions > 0
     for p, o in zip(prompts, outs):
         gen = o.outputs[0]
-        ref = _oracle_logprobs(oracle, p + gen.token_ids)
+        ref = flash_oracle_logprobs(oracle, p + gen.token_ids)
         for j, t in enumerate(gen.token_ids):
             assert t == int(ref[len(p) - 1 + j].argmax()), f"greedy token {j} differs"
             assert abs(gen.logprobs[j][t] - ref[len(p) - 1 + j, t].item()) < TOL

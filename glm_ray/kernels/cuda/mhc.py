@@ -41,9 +41,7 @@ def _mhc_coefficients_kernel(m_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb
 def mhc_coefficients(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, eps: float,
                      iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """m [T, (2+n)n] fp32, base [(2+n)n], scale [3] -> pre [T, n], post [T, n], comb [T, n, n] (fp32)."""
-    if n & (n - 1):
-        from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref   # tl.arange needs a power of 2
-        return ref(m, base, scale, n, eps, iters)
+    assert n & (n - 1) == 0, "n must be a power of 2 (tl.arange); CudaKernels routes others to the reference"
     T = m.shape[0]
     m = m.float()
     if m.stride(-1) != 1:

@@ -329,7 +329,8 @@ class CudaKernels:
     # ---- mHC mixing coefficients (GLM-5.3-Flash) ---------------------------------------------------
     def mhc_coefficients(self, m, base, scale, n: int, eps: float, iters: int):
         from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref
-        reason = self._gpu_reason(m, 70, need_triton=True)
+        reason = self._gpu_reason(m, 70, need_triton=True) or (f"hc_mult {n} is not a power of 2" if n & (n - 1)
+                                                                   else None)
         if reason is not None:
             self._fallback("mhc_coefficients", reason)
             return ref(m, base, scale, n, eps, iters)
@@ -341,7 +342,10 @@ class CudaKernels:
     def kda_decode(self, q, k, v, g, beta, state, slots, fresh):
         from glm_ray.kernels.torch_ref.kda import kda_decode as ref
         args = (q, k, v, g, beta, state, slots, fresh)
-        reason = self._gpu_reason(q, 70, need_triton=True)
+        dk = k.shape[-1]
+        reason = (self._gpu_reason(q, 70, need_triton=True)
+                  or (f"head dim {dk} is not a power of 2" if dk & (dk - 1) else None)
+                  or (f"state dtype {state.dtype} (needs float32)" if state.dtype != torch.float32 else None))
         if reason is not None:
             self._fallback("kda_decode", reason)
             return ref(*args)
