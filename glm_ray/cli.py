@@ -1,32 +1,56 @@
-"""`glm-ray` command line: serve | generate | make-tiny | bench."""
+"""`glm-ray` command line: serve | generate | make-tiny | quantize | bench."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
+from glm_ray import __version__
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows every option's default (argparse's ArgumentDefaultsHelpFormatter, minus `None`/`False`)."""
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        if ("%(default)" not in help and action.default not in (None, False, argparse.SUPPRESS)
+                and (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
+            help += " (default: %(default)s)"
+        return help
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="HF model directory (default: the cached tiny GLM-5)")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--kernel-backend", default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model directory (default: the cached tiny random GLM-5, written on first use)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel size: GPUs (ranks) per model instance")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto = cuda when a GPU is visible (ROCm too), else cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="auto = the checkpoint's dtype on GPU, float32 on CPU")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy = random weights of the config's shapes (benchmarks without a checkpoint)")
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "cuda", "aiter"],
+                   help="auto = cuda on NVIDIA, aiter on ROCm (when installed), torch on CPU")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="most requests running (batched) at once; more wait in the queue")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step (prefill chunks + decodes)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (prompt + output) limit (default: the model's)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of GPU memory for weights + activations + KV cache (KV gets what is left)")
     p.add_argument("--fp8-proj-gemm", action="store_true", default=None,
                    help="prefill-only FP8 GEMM for MLA q_b_proj/o_proj (also GLM_RAY_FP8_PROJ_GEMM=1)")
     p.add_argument("--fp8-proj-min-tokens", type=int, default=512,
                    help="with --fp8-proj-gemm: forward batches of more than this many tokens take the FP8 GEMM "
-                        "(H200 step A/B: FP8 pays from ~1-2k tokens at GLM-5 shapes, only above 4096 at glm5-flash-31b's)")
+                        "(H200 step A/B: FP8 pays from ~2k tokens at GLM-5 shapes; at glm5-flash-31b's the "
+                        "crossover lies between 4096 and 8192, so use 8192 there)")
 
 
 def cmd_make_tiny(a) -> int:
@@ -72,11 +96,8 @@ def cmd_generate(a) -> int:
     return 0
 
 
-def cmd_serve(a) -> int:
-    import ray
-    from ray import serve
-    from glm_ray.serve.app import build_app
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+def serve_app_args(a) -> dict:
+    """The `build_app` arguments (ServeArgs) of `glm-ray serve`'s flags."""
     args = {"model": a.model or "tiny", "tp": a.tp, "device": a.device, "dtype": a.dtype,
             "load_format": a.load_format, "kernel_backend": a.kernel_backend, "max_num_seqs": a.max_num_seqs,
             "max_num_batched_tokens": a.max_num_batched_tokens, "max_model_len": a.max_model_len,
@@ -86,56 +107,123 @@ def cmd_serve(a) -> int:
         args["fp8_proj_gemm"] = True
     if a.served_model_name:
         args["served_model_name"] = a.served_model_name
-    if args["model"] == "tiny":            # write the cache once here, not in two replicas at once
+    if a.api_key:
+        args["api_key"] = a.api_key
+    if a.trust_request_chat_template:
+        args["trust_request_chat_template"] = True
+    return args
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _url_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to `host`."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def cmd_serve(a) -> int:
+    from glm_ray.serve.args import ServeArgs
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    app_args = serve_app_args(a)
+    sa = ServeArgs.from_dict(app_args)          # bad flags fail here, before Ray starts
+    import ray
+    from ray import serve
+    from glm_ray.serve.app import build_app
+    if sa.model == "tiny":                      # write the cache once here, not in two replicas at once
         from glm_ray.model.tiny import default_tiny_model
         default_tiny_model()
-    ray.init(address=a.address or "local", include_dashboard=False, _metrics_export_port=a.metrics_port,
-             num_cpus=a.num_cpus, _node_ip_address=a.host if a.host in ("127.0.0.1", "localhost") else None)
-    serve.start(http_options={"host": a.host, "port": a.port})
-    serve.run(build_app(args), name="glm-ray", route_prefix="/", blocking=False)
-    print(f"\nglm-ray is serving {args['model']!r} (tp={a.tp})\n"
-          f"  OpenAI API : http://{a.host}:{a.port}/v1   (e.g. curl http://{a.host}:{a.port}/v1/models)\n"
-          f"  metrics    : http://{a.host}:{a.metrics_port}/metrics   (grep glm_ray)\n"
-          f"Ctrl-C to stop.", flush=True)
+    if a.address:
+        ray.init(address=a.address)
+    else:
+        # NOTE: a local Ray binds GCS, raylet, object manager and the metrics export to --ray-node-ip
+        # (loopback by default), whatever --host the HTTP API binds to; no dashboard.
+        ray.init(address="local", include_dashboard=False, _metrics_export_port=a.metrics_port,
+                 num_cpus=a.num_cpus, _node_ip_address=a.ray_node_ip)
+    signal.signal(signal.SIGTERM, _raise_interrupt)     # `kill PID` stops as cleanly as Ctrl-C
     try:
+        serve.start(http_options={"host": a.host, "port": a.port})
+        serve.run(build_app(app_args), name="glm-ray", route_prefix="/", blocking=False)
+        url = f"http://{_url_host(a.host)}:{a.port}"
+        metrics_host = _url_host(a.ray_node_ip) if not a.address else "<each node>"
+        try:
+            logs = ray._private.worker._global_node.get_logs_dir_path()
+        except Exception:
+            logs = "/tmp/ray/session_latest/logs"
+        auth = ("required: Authorization: Bearer <key> on /v1/* (from --api-key / GLM_RAY_API_KEY)"
+                if sa.api_key else "off (set --api-key or GLM_RAY_API_KEY to require one)")
+        print(f"\nglm-ray {__version__} is serving model {sa.model_name()!r} "
+              f"(from {sa.model!r}, tp={sa.tp}; clients send \"model\": \"{sa.model_name()}\")\n"
+              f"  OpenAI API : {url}/v1   (bound to {a.host}; e.g. curl {url}/v1/models)\n"
+              f"  API key    : {auth}\n"
+              f"  metrics    : http://{metrics_host}:{a.metrics_port}/metrics   (grep ray_glm_ray)\n"
+              f"  logs       : {logs}   (serve/ = the app's replicas)\n"
+              f"Ctrl-C (or kill {os.getpid()}) to stop.", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        serve.shutdown()
-        ray.shutdown()
+        print("stopping glm-ray ...", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glm-ray", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser.add_argument("--version", action="version", version=f"glm-ray {__version__}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{serve,generate,make-tiny,quantize,bench}")
 
-    p = sub.add_parser("serve", help="start a local Ray + the OpenAI-compatible app")
+    p = sub.add_parser("serve", help="start a local Ray + the OpenAI-compatible app (Ctrl-C stops both)",
+                       description="Start a local Ray (or join one with --address) and serve the "
+                                   "OpenAI-compatible app on it. Ctrl-C stops both.",
+                       formatter_class=_HelpFormatter)
     _add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--metrics-port", type=int, default=8080)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--address", default=None, help="join an existing Ray cluster instead of starting one")
-    p.add_argument("--num-cpus", type=int, default=None)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the HTTP API binds to (0.0.0.0: every interface; Ray itself stays on "
+                        "--ray-node-ip)")
+    p.add_argument("--port", type=int, default=8000, help="port of the HTTP API")
+    p.add_argument("--metrics-port", type=int, default=8080,
+                   help="Ray's Prometheus export port (our metrics are ray_glm_ray_*)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the directory name; glm5-tiny for the tiny model)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer <key>` on /v1/* (default: env GLM_RAY_API_KEY, else no key)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a `chat_template` in chat requests (refused by default)")
+    p.add_argument("--ray-node-ip", default="127.0.0.1",
+                   help="IP the local Ray's GCS, raylet, object manager and metrics export bind to "
+                        "(a reachable IP only when other nodes must join)")
+    p.add_argument("--address", default=None,
+                   help="join an existing Ray cluster (e.g. 127.0.0.1:6379, or auto) instead of starting one")
+    p.add_argument("--num-cpus", type=int, default=None,
+                   help="CPUs the local Ray may schedule on (default: all of this machine's)")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("generate", help="offline generation with the LLM API")
+    p = sub.add_parser("generate", help="offline generation with the LLM API (no server)",
+                       formatter_class=_HelpFormatter)
     _add_engine_args(p)
-    p.add_argument("--prompt", action="append", help="repeatable")
+    p.add_argument("--prompt", action="append", help="a prompt; repeatable (default: 'Hello, my name is')")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=-1, help="-1 = off")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens even past EOS")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("make-tiny", help="write a tiny random GLM-5 checkpoint in the real on-disk format")
-    p.add_argument("dir")
-    p.add_argument("--config", default=None, help="a config.json path or a bundled config name (glm5-tiny.json)")
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("make-tiny", help="write a tiny random GLM-5 checkpoint in the real on-disk format",
+                       formatter_class=_HelpFormatter)
+    p.add_argument("dir", help="output directory")
+    p.add_argument("--config", default=None,
+                   help="a config.json path or a bundled config name, e.g. glm53-flash-tiny-text.json "
+                        "(default: glm5-tiny.json)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--quant", default="bf16", choices=["bf16", "fp8", "mxfp4"],
                    help="fp8: DeepSeek-style block FP8; mxfp4: Quark MXFP4 experts + block-FP8 MTP layer")
     p.set_defaults(func=cmd_make_tiny)

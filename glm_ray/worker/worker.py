@@ -70,7 +70,7 @@ class Worker:
         else:
             load_weights(self.model, self.cfg.model, progress=self.rank == 0)
         n = sum(p.numel() for p in self.model.parameters())
-        logger.info("rank %d: %s loaded, %.2fB params on this rank", self.rank, self.model_cfg.architecture, n / 1e9)
+        logger.info("rank %d: %s loaded, %s params on this rank", self.rank, self.model_cfg.architecture, f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M")
         return {"params": n}
 
     def determine_num_blocks(self) -> int:
