@@ -3,6 +3,12 @@
 Owns the scheduler, the KV block manager, per-request detokenizers and stop checks. Emits
 `TokenDelta`s (the wire contract in outputs.py). Knows nothing about HTTP or Ray Serve; the Router
 deployment and the offline `LLM` both drive it.
+
+Failures: a request the workers report as failed in a step (`ModelRunnerOutput.failed`: its forward
+or its sampling raised, or the device ran out of memory) and a request whose own update raises (a
+detokenizer, a stop check) is finished with `finish_reason="error"` and an error delta; its KV
+blocks and state slot are freed and every other request goes on. Only an exception out of
+`executor.execute` itself (a lost rank, a broken transport) leaves `step()`: the engine is dead then.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from dataclasses import dataclass, field
 
 from glm_ray.config import EngineConfig
 from glm_ray.engine.detokenizer import IncrementalDetokenizer
-from glm_ray.engine.errors import EngineOverloadedError, InvalidRequestError
+from glm_ray.engine.errors import EngineOverloadedError, InvalidRequestError, StepOutOfMemoryError
 from glm_ray.engine.kv_cache import KVCacheManager
 from glm_ray.engine.outputs import TokenDelta
 from glm_ray.engine.request import Request, RequestStatus
@@ -91,12 +97,20 @@ class EngineCore:
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise InvalidRequestError if the request can never be served; return its resolved max_tokens.
         Reads only immutable state, so callers may use it while a step runs."""
+        try:
+            params.validate()            # again: a SamplingParams that crossed a process was unpickled, not built
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param=getattr(e, "param", None)) from None
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         V = self.model_cfg.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < V]
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < V)]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})", param="prompt")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < V]
+        if bad:
+            raise InvalidRequestError(f"stop token id {bad[0]} is outside the vocabulary [0, {V})",
+                                      param="stop_token_ids")
         P = len(prompt_token_ids)
         if P >= self.max_model_len:
             raise InvalidRequestError(f"the prompt has {P} tokens but the model's context length is "
@@ -157,43 +171,68 @@ class EngineCore:
     def _update(self, sched: SchedulerOutput, result) -> list[TokenDelta]:
         deltas: list[TokenDelta] = []
         now = time.monotonic()
+        failed = result.failed if result is not None else {}
         for s in sched.seqs:
             req = self.requests.get(s.req_id)
             if req is None or req.is_finished:
                 continue
-            req.num_computed_tokens += len(s.token_ids)
-            plp = None
-            if s.prompt_logprobs and s.req_id in result.prompt_logprobs:
-                if req.prompt_logprobs is None:
-                    req.prompt_logprobs = [None]
-                req.prompt_logprobs.extend(result.prompt_logprobs[s.req_id])
-                if req.num_computed_tokens >= req.num_prompt_tokens:
-                    req.prompt_logprobs_done = True
-                    plp = req.prompt_logprobs
-            if not s.sample:
+            failure = failed.get(s.req_id)
+            if failure is not None:
+                deltas.append(self._fail_request(req, failure.kind, failure.message))
                 continue
-            tok = result.sampled[s.req_id]
-            req.output_token_ids.append(tok)
-            lp = result.logprobs.get(s.req_id)
-            if req.output_logprobs is not None and lp is not None:
-                req.output_logprobs.append(lp)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
-            finish, stop_reason = self._check_stop(req, tok)
-            if finish:
-                self.scheduler.finish(req, finish, stop_reason)
-            detok = self.detoks[req.request_id]
-            deltas.append(TokenDelta(
-                request_id=req.request_id, new_token_ids=[tok], new_text=detok.take(finish is not None),
-                new_logprobs=[lp] if lp is not None else None, finished=finish is not None,
-                finish_reason=finish, stop_reason=stop_reason, num_prompt_tokens=req.num_prompt_tokens,
-                prompt_logprobs=plp if len(req.output_token_ids) == 1 else None,
-                arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time))
-            if finish:
-                self.requests.pop(req.request_id, None)
-                self.detoks.pop(req.request_id, None)
+            try:
+                delta = self._update_one(req, s, result, now)
+            except Exception as e:  # noqa: BLE001 - this request's bookkeeping failed, not the engine
+                logger.exception("request %s failed while updating", req.request_id)
+                delta = self._fail_request(req, "error", f"an internal error occurred ({type(e).__name__})")
+            if delta is not None:
+                deltas.append(delta)
         return deltas
+
+    def _fail_request(self, req: Request, kind: str, message: str) -> TokenDelta:
+        """Finish `req` in error (its blocks and state slot freed); the delta carries the error."""
+        self.scheduler.finish(req, "error")
+        self.requests.pop(req.request_id, None)
+        self.detoks.pop(req.request_id, None)
+        error_type = StepOutOfMemoryError.error_type if kind == "oom" else "engine_error"
+        return TokenDelta(request_id=req.request_id, new_token_ids=[], finished=True, finish_reason="error",
+                          error=message, error_type=error_type, num_prompt_tokens=req.num_prompt_tokens,
+                          arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time)
+
+    def _update_one(self, req: Request, s, result, now: float) -> TokenDelta | None:
+        """Apply one scheduled sequence's results to its request; the delta to emit, if any."""
+        req.num_computed_tokens += len(s.token_ids)
+        plp = None
+        if s.prompt_logprobs and s.req_id in result.prompt_logprobs:
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None]
+            req.prompt_logprobs.extend(result.prompt_logprobs[s.req_id])
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                req.prompt_logprobs_done = True
+                plp = req.prompt_logprobs
+        if not s.sample:
+            return None
+        tok = result.sampled[s.req_id]
+        req.output_token_ids.append(tok)
+        lp = result.logprobs.get(s.req_id)
+        if req.output_logprobs is not None and lp is not None:
+            req.output_logprobs.append(lp)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        finish, stop_reason = self._check_stop(req, tok)
+        detok = self.detoks[req.request_id]
+        delta = TokenDelta(
+            request_id=req.request_id, new_token_ids=[tok], new_text=detok.take(finish is not None),
+            new_logprobs=[lp] if lp is not None else None, finished=finish is not None,
+            finish_reason=finish, stop_reason=stop_reason, num_prompt_tokens=req.num_prompt_tokens,
+            prompt_logprobs=plp if len(req.output_token_ids) == 1 else None,
+            arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time)
+        if finish:
+            self.scheduler.finish(req, finish, stop_reason)
+            self.requests.pop(req.request_id, None)
+            self.detoks.pop(req.request_id, None)
+        return delta
 
     def _check_stop(self, req: Request, tok: int) -> tuple[str | None, int | str | None]:
         p = req.params

@@ -33,3 +33,27 @@ class EngineDeadError(EngineError):
     """A worker died or the engine loop crashed; the replica must be restarted."""
     status_code = 503
     error_type = "engine_dead"
+
+
+class RequestFailedError(EngineError):
+    """This request's step raised inside the engine (a kernel, sampling, ...); the engine goes on."""
+    status_code = 500
+    error_type = "engine_error"
+
+
+class StepOutOfMemoryError(EngineError):
+    """The device ran out of memory in this request's step; its KV was freed and the engine goes on.
+    A 503: the same request may fit once the load is lower."""
+    status_code = 503
+    error_type = "out_of_memory"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def request_failure(error_type: str | None, message: str) -> EngineError:
+    """The exception a failed request's stream ends with (`TokenDelta.error_type` -> class)."""
+    if error_type == StepOutOfMemoryError.error_type:
+        return StepOutOfMemoryError(message)
+    return RequestFailedError(message)

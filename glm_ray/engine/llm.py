@@ -15,7 +15,7 @@ from tqdm import tqdm
 from glm_ray.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from glm_ray.engine.engine_core import EngineCore
 from glm_ray.engine.outputs import CompletionOutput, RequestOutput
-from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.engine.sampling_params import SamplingParams, choice_seed
 from glm_ray.engine.tokenizer import load_tokenizer  # re-exported: callers import it from here
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         results: dict[str, RequestOutput] = {}
         order = []
+        subs = []                      # (engine request id, prompt text, ids, params): validated before any is added
         for prompt, p in zip(prompts, params):
             text, ids = self._to_ids(prompt)
             rid = str(next(self._ids))
@@ -87,14 +88,26 @@ class LLM:
             results[rid] = out
             order.append(rid)
             for i in range(p.n):
-                sub = p.clone(n=1, seed=None if p.seed is None else p.seed + i)
-                self.engine.add_request(f"{rid}-{i}", ids, sub, text)
+                sub = p.clone(n=1, seed=choice_seed(p.seed, i))
+                self.engine.validate_request(ids, sub)     # a bad prompt fails the call before anything runs
+                subs.append((f"{rid}-{i}", text, ids, sub))
                 out.outputs.append(CompletionOutput(i, "", [], [] if p.logprobs is not None else None, None))
+        added = []
+        try:
+            for sub_id, text, ids, sub in subs:
+                self.engine.add_request(sub_id, ids, sub, text)
+                added.append(sub_id)
+        except BaseException:
+            for sub_id in added:                   # leave the engine as it was: the LLM stays usable
+                self.engine.abort(sub_id)
+            raise
         total = sum(p.n for p in params)
         bar = tqdm(total=total, desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished():
             for d in self.engine.step():
                 rid, i = d.request_id.rsplit("-", 1)
+                if rid not in results:                 # pragma: no cover - not this call's request
+                    continue
                 res, co = results[rid], results[rid].outputs[int(i)]
                 co.token_ids += d.new_token_ids
                 co.text += d.new_text
@@ -104,6 +117,8 @@ class LLM:
                     res.prompt_logprobs = d.prompt_logprobs
                 if d.finished:
                     co.finish_reason, co.stop_reason = d.finish_reason, d.stop_reason
+                    if d.finish_reason == "error":
+                        logger.error("request %s failed: %s", d.request_id, d.error)
                     bar.update(1)
         bar.close()
         for r in results.values():

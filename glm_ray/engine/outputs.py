@@ -25,7 +25,8 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[LogprobDict | None] | None = None   # sent once, with the first delta
-    error: str | None = None                          # set with finish_reason "error"
+    error: str | None = None                          # set with finish_reason "error": one line for the client
+    error_type: str | None = None                     # "engine_error" | "out_of_memory" (errors.request_failure)
     # Timing (monotonic seconds, engine clock) for metrics: arrival and first scheduling.
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None

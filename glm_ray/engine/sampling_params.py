@@ -1,12 +1,95 @@
 """Per-request sampling parameters: the one typed object every layer above the model agrees on.
 
-Owned here: field names and defaults (vLLM's, so users can carry their habits over) and validation.
-Validation raises `ValueError` with a message fit for an HTTP 400; the ingress maps it to OpenAI's
-error shape with `param` set to the offending field.
+Owned here: field names and defaults (vLLM's, so users can carry their habits over) and the bounds of
+every field (`BOUNDS`). The bounds are the single rule set: `SamplingParams.validate` enforces them
+(so the offline API fails fast), and the OpenAI request models in serve/protocol.py derive their
+pydantic constraints — and so the published OpenAPI schema — from the same table. What needs the
+model (token ids within the vocabulary, the context length) is checked by
+`EngineCore.validate_request`.
+
+Validation raises `ValueError` with a message fit for an HTTP 400 and `.param` naming the field.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+
+INT32_MAX = 2**31 - 1
+# Seeds: vLLM's range, a signed 64-bit integer. `torch.Generator.manual_seed` accepts it, and the
+# per-choice seeds of a request with n > 1 wrap around inside it (`choice_seed`).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_N = 128                      # choices per prompt (each one is an engine request)
+MAX_LOGPROBS = 20                # top-k logprobs per token (OpenAI's and vLLM's limit)
+MAX_STOP_TOKEN_IDS = 1024
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Allowed range of one numeric field. Floats must also be finite."""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False        # lo < x instead of lo <= x
+    integer: bool = False
+
+    def check(self, x) -> str | None:
+        """None if `x` is allowed, else what is wrong (a message fragment)."""
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            return f"must be {'an integer' if self.integer else 'a number'}, got {type(x).__name__}"
+        if self.integer and not isinstance(x, int):
+            return f"must be an integer, got {x!r}"
+        if isinstance(x, float) and not math.isfinite(x):
+            return f"must be a finite number, got {x}"
+        if self.lo is not None and (x <= self.lo if self.lo_open else x < self.lo):
+            return f"must be {'>' if self.lo_open else '>='} {_num(self.lo)}, got {x}"
+        if self.hi is not None and x > self.hi:
+            return f"must be <= {_num(self.hi)}, got {x}"
+        return None
+
+    def pydantic_kwargs(self) -> dict:
+        """The same rule as `pydantic.Field` keyword arguments (request models, OpenAPI schema)."""
+        kw: dict = {}
+        if self.lo is not None:
+            kw["gt" if self.lo_open else "ge"] = self.lo
+        if self.hi is not None:
+            kw["le"] = self.hi
+        return kw
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+# Field -> allowed range. Wire-level aliases (top_k 0 = disabled, max_completion_tokens, top_logprobs)
+# are mapped by the protocol layer before they reach SamplingParams.
+BOUNDS: dict[str, Bound] = {
+    "n": Bound(1, MAX_N, integer=True),
+    "temperature": Bound(0.0, None),
+    "top_p": Bound(0.0, 1.0, lo_open=True),
+    "top_k": Bound(-1, INT32_MAX, integer=True),          # -1 (and 0 on the wire) = disabled
+    "min_p": Bound(0.0, 1.0),
+    "seed": Bound(SEED_MIN, SEED_MAX, integer=True),
+    "repetition_penalty": Bound(0.0, None, lo_open=True),
+    "presence_penalty": Bound(-2.0, 2.0),
+    "frequency_penalty": Bound(-2.0, 2.0),
+    "max_tokens": Bound(1, INT32_MAX, integer=True),
+    "min_tokens": Bound(0, INT32_MAX, integer=True),
+    "logprobs": Bound(0, MAX_LOGPROBS, integer=True),
+    "prompt_logprobs": Bound(0, MAX_LOGPROBS, integer=True),
+    "stop_token_id": Bound(0, INT32_MAX, integer=True),   # each element of stop_token_ids
+}
+
+
+def invalid(param: str, msg: str) -> ValueError:
+    err = ValueError(msg)
+    err.param = param  # type: ignore[attr-defined]
+    return err
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """The seed of choice `i` of a request with `seed` (seed + i, wrapped into the int64 range)."""
+    if seed is None:
+        return None
+    return (seed + i - SEED_MIN) % 2**64 + SEED_MIN
 
 
 @dataclass
@@ -14,7 +97,7 @@ class SamplingParams:
     n: int = 1                                  # choices per prompt (fanned out into n requests)
     temperature: float = 1.0                    # 0 -> greedy
     top_p: float = 1.0
-    top_k: int = -1                             # -1 / 0 -> disabled
+    top_k: int = -1                             # -1 -> disabled
     min_p: float = 0.0
     seed: int | None = None                     # per-request generator: same seed -> same tokens
     repetition_penalty: float = 1.0             # HF/vLLM style: divides positive logits, multiplies negative
@@ -35,42 +118,34 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
         self.validate()
 
     def validate(self) -> None:
-        def bad(param: str, msg: str):
-            err = ValueError(msg)
-            err.param = param  # type: ignore[attr-defined]
-            raise err
-
-        if self.n < 1:
-            bad("n", f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            bad("temperature", f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and (self.top_k < -1):
-            bad("top_k", f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            bad("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
+        for name, bound in BOUNDS.items():
+            if name == "stop_token_id":
+                continue
+            value = getattr(self, name)
+            if value is None and name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+                continue
+            problem = bound.check(value)
+            if problem:
+                raise invalid(name, f"{name} {problem}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            bad("prompt_logprobs", f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
-        if any(not s for s in self.stop):
-            bad("stop", "stop strings must be non-empty")
+            raise invalid("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise invalid("stop_token_ids", f"stop_token_ids has {len(self.stop_token_ids)} entries; "
+                          f"at most {MAX_STOP_TOKEN_IDS}")
+        for t in self.stop_token_ids:
+            problem = BOUNDS["stop_token_id"].check(t)
+            if problem:
+                raise invalid("stop_token_ids", f"stop_token_ids entries {problem}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise invalid("stop", "stop strings must be non-empty strings")
+            if not is_valid_unicode(s):
+                raise invalid("stop", "stop strings must be valid Unicode (no lone surrogates)")
 
     @property
     def greedy(self) -> bool:
@@ -83,3 +158,13 @@ class SamplingParams:
 
     def clone(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
+
+
+def is_valid_unicode(s: str) -> bool:
+    """False for strings holding lone UTF-16 surrogates (JSON's "\\ud800" escapes), which no
+    tokenizer can encode."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -1,6 +1,12 @@
 """HTTP errors of the OpenAI API: any exception (engine errors, Ray's wrappers of them, Serve
 back-pressure, dead actors) -> `APIError` with the right status, and the FastAPI handlers that make
-every error leave in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`)."""
+every error leave in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`).
+
+What a client sees is one line about what went wrong (which param, for a 4xx); nothing internal —
+no traceback, exception repr, actor id, PID, address or path. A 5xx names the request id (the
+`x-request-id` header) and the full exception goes to the log under that id. Every 503 carries
+`Retry-After`.
+"""
 import functools
 import logging
 import math
@@ -10,7 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from glm_ray.engine.errors import EngineError, EngineOverloadedError
+from glm_ray.engine.errors import EngineError, EngineOverloadedError, StepOutOfMemoryError
+from glm_ray.serve.request_context import current_request_id
 from glm_ray.serve.protocol import APIError, bad_request, format_validation_errors
 
 logger = logging.getLogger(__name__)
@@ -59,8 +66,7 @@ def map_exception(exc: BaseException) -> APIError:
                                 type="service_unavailable", code="engine_unavailable")
     except ImportError:  # pragma: no cover
         pass
-    msg = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-    return APIError(500, f"Internal server error: {msg}", type="internal_error", code="internal_error")
+    return APIError(500, "Internal server error.", type="internal_error", code="internal_error")
 
 
 def _is_ray_wrapper(e: BaseException) -> bool:
@@ -75,7 +81,7 @@ def _engine_error(e: EngineError) -> APIError:
     message = getattr(e, "message", None) or str(e)
     status = int(getattr(e, "status_code", 500) or 500)
     headers = {}
-    if isinstance(e, EngineOverloadedError):
+    if isinstance(e, (EngineOverloadedError, StepOutOfMemoryError)):
         retry = getattr(e, "retry_after_s", 1.0) or 1.0
         headers["Retry-After"] = str(max(1, math.ceil(retry)))
     return APIError(status, message, type=getattr(e, "error_type", None),
@@ -83,22 +89,46 @@ def _engine_error(e: EngineError) -> APIError:
                     headers=headers)
 
 
+def for_client(err: APIError) -> APIError:
+    """The error as the client gets it: a 5xx names the request id; a 503 says when to retry."""
+    if err.status_code < 500:
+        return err
+    rid = current_request_id()
+    message = err.message if not rid or rid in err.message else f"{err.message} (request id {rid})"
+    headers = dict(err.headers)
+    if err.status_code == 503 and not any(k.lower() == "retry-after" for k in headers):
+        headers["Retry-After"] = "1"
+    return APIError(err.status_code, message, type=err.type, param=err.param, code=err.code, headers=headers)
+
+
 def error_response(err: APIError) -> JSONResponse:
+    err = for_client(err)
     return JSONResponse(err.to_dict(), status_code=err.status_code, headers=err.headers or None)
 
 
-def openai_errors(what: str | None = None):
+def log_failure(what: str, exc: BaseException, err: APIError) -> None:
+    """Log a failure that is not the client's, with the request id the client saw."""
+    if err.status_code >= 500 and err.code != "server_overloaded":
+        logger.error("%s request %s failed (%d %s)", what, current_request_id() or "-", err.status_code,
+                     err.code, exc_info=exc)
+
+
+def openai_errors(what: str = "request", auth: bool = False):
     """Endpoint decorator: whatever the handler raises leaves as an OpenAI error response (the status
-    from `map_exception`); failures that are not the client's (`what` set) are also logged."""
+    from `map_exception`); 5xx failures are logged with their traceback and request id.
+    `auth`: the endpoint (a method with a `request: Request` argument) first calls
+    `self.authorize(request)`, which raises APIError(401) for a missing or wrong API key."""
     def deco(handler):
         @functools.wraps(handler)               # keeps the signature FastAPI / Serve inspect
         async def wrapper(*args, **kwargs):
             try:
+                if auth:
+                    args[0].authorize(kwargs.get("request") or next(a for a in args if isinstance(a, Request)))
                 return await handler(*args, **kwargs)
             except Exception as e:  # noqa: BLE001
-                if what is not None and not isinstance(e, APIError):
-                    logger.warning("%s request failed: %r", what, e)
-                return error_response(map_exception(e))
+                err = map_exception(e)
+                log_failure(what, e, err)
+                return error_response(err)
         return wrapper
     return deco
 
@@ -122,5 +152,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unhandled_error_handler(request: Request, exc: Exception):
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return error_response(map_exception(exc))
+        err = map_exception(exc)
+        log_failure(f"{request.method} {request.url.path}", exc, err)
+        return error_response(err)

@@ -8,6 +8,14 @@ detokenizes generated text and applies stop strings; the ingress only renders to
 logprobs. Whatever ends a request early (client disconnect, cancellation, an error in a sibling
 sub-request) aborts every unfinished sub-request on the Router.
 
+Bounds and access (issue: no request can take the server down): bodies larger than
+`MAX_BODY_BYTES` are a 413 before they are parsed; `protocol.parse_body` rejects what no model
+validator should see (depth, non-finite numbers, invalid Unicode); with an API key configured the
+/v1/* endpoints need `Authorization: Bearer <key>`; a request-level `chat_template` is refused unless
+the server trusts request templates (`trust_request_chat_template`), and templates render in
+jinja2's sandbox (transformers' ImmutableSandboxedEnvironment). The published OpenAPI schema
+(`/openapi.json`) is built by serve/openapi.py from the same request models.
+
 Router contract (glm_ray/serve/router.py):
   router.options(stream=True).generate.remote(request_id, prompt_token_ids, params) -> TokenDelta stream
   router.abort.remote(request_id); router.get_model_info.remote() -> dict; router.check_engine.remote()
@@ -19,15 +27,18 @@ import time
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 
-from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.engine.sampling_params import SamplingParams, choice_seed
 from glm_ray.serve.detok import TokenStrings
-from glm_ray.serve.errors import error_response, install_error_handlers, map_exception, openai_errors
+from glm_ray.serve.errors import error_response, for_client, install_error_handlers, map_exception, openai_errors
+from glm_ray.serve.openapi import build_openapi
+from glm_ray.serve.request_context import bearer_ok
 from glm_ray.serve.fanout import EventStream, Fanout, SubRequest, pad_logprobs
 from glm_ray.serve.protocol import (
-    SSE_DONE, APIError, ChatChoiceLogprobs, ChatCompletionRequest, ChatCompletionResponse,
+    MAX_CHOICES, SSE_DONE, APIError, ChatChoiceLogprobs, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionResponseChoice, ChatCompletionStreamChoice, ChatCompletionStreamResponse,
     ChatResponseMessage, CompletionLogProbs, CompletionRequest, CompletionResponse,
     CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse,
@@ -43,6 +54,8 @@ logger = logging.getLogger("glm_ray.serve.ingress")
 _OFFLOAD_CHARS = 4096
 _ABORT_TIMEOUT_S = 30.0
 _HEALTH_TIMEOUT_S = 10.0
+# Largest request body read (413 above it). A GLM-5 context of 200k tokens is ~1.5 MB as token ids.
+MAX_BODY_BYTES = 32 * 2**20
 # Keys a client must not smuggle into apply_chat_template through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "tokenize", "chat_template",
                              "add_generation_prompt", "continue_final_message", "return_dict",
@@ -57,12 +70,37 @@ DEFAULT_INGRESS_OPTIONS: dict[str, Any] = {"max_ongoing_requests": 2048}
 # The FastAPI app and its exception handlers (every error leaves in OpenAI's shape)
 # --------------------------------------------------------------------------------------------
 
-app = FastAPI(title="glm-ray OpenAI-compatible API", docs_url="/docs", redoc_url=None)
+# NOTE: /openapi.json and /docs are endpoints of the ingress below (the schema is per deployment).
+app = FastAPI(title="glm-ray OpenAI-compatible API", openapi_url=None, docs_url=None, redoc_url=None)
 install_error_handlers(app)
 
 
 async def _await(resp):
     return await resp
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("glm-ray")
+    except Exception:  # noqa: BLE001 - not installed (a source checkout on PYTHONPATH)
+        return "unknown"
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, or APIError(413) as soon as it exceeds `limit` (by header or by bytes read)."""
+    too_large = APIError(413, f"The request body is larger than {limit} bytes.", type="invalid_request_error",
+                         code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,10 +117,15 @@ class OpenAIIngress:
 
     def __init__(self, router, model_path: str, served_model_name: str, *,
                  tokenizer_path: Optional[str] = None, chat_template: Optional[str] = None,
-                 generation_config: str = "auto"):
+                 generation_config: str = "auto", api_key: Optional[str] = None,
+                 trust_request_chat_template: bool = False):
+        import os
+
         from glm_ray.engine.tokenizer import load_tokenizer
 
         self.router = router
+        self.api_key = api_key or os.environ.get("GLM_RAY_API_KEY") or None
+        self.trust_request_chat_template = bool(trust_request_chat_template)
         self.model_path = model_path
         self.served_model_name = served_model_name
         self.tokenizer = load_tokenizer(tokenizer_path or model_path)
@@ -92,6 +135,7 @@ class OpenAIIngress:
         if self.generation_defaults:
             logger.info("sampling defaults from generation_config.json: %s", self.generation_defaults)
         self._model_info: Optional[dict] = None
+        self._openapi: Optional[dict] = None
         self._background: set = set()
         self._created = int(time.time())
 
@@ -104,6 +148,13 @@ class OpenAIIngress:
         return getattr(self.tokenizer, "chat_template", None)
 
     # ---------------- helpers ----------------
+
+    def authorize(self, request: Request) -> None:
+        """401 unless the request carries the configured API key (no key configured: open)."""
+        if self.api_key and not bearer_ok(request.headers.get("authorization"), self.api_key):
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                           type="invalid_request_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
 
     async def _info(self) -> dict:
         if self._model_info is None:
@@ -138,7 +189,13 @@ class OpenAIIngress:
         return fn()
 
     def _render_chat(self, req) -> list[int]:
-        if not self.chat_template:
+        template = self.chat_template
+        if req.chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise bad_request("A chat_template in the request is not accepted by this server (start it "
+                                  "with --trust-request-chat-template to allow it).", param="chat_template")
+            template = req.chat_template
+        if not template:
             raise bad_request("This model has no chat template; use /v1/completions.", param="messages")
         if req.add_generation_prompt and req.continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message cannot both be true",
@@ -148,13 +205,14 @@ class OpenAIIngress:
         messages = req.template_messages()
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=req.tools, chat_template=self.chat_template, tokenize=False,
+                messages, tools=req.tools, chat_template=template, tokenize=False,
                 add_generation_prompt=bool(req.add_generation_prompt),
                 continue_final_message=bool(req.continue_final_message), **kwargs)
         except APIError:
             raise
-        except Exception as e:  # jinja2 TemplateError, ValueError from the template, ...
-            raise bad_request(f"Could not apply the chat template: {e}", param="messages") from None
+        except Exception as e:  # jinja2 TemplateError, SecurityError, ValueError from the template, ...
+            detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise bad_request(f"Could not apply the chat template: {detail}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
 
     async def _chat_prompt_ids(self, req) -> list[int]:
@@ -163,7 +221,11 @@ class OpenAIIngress:
 
     async def _completion_prompts(self, req: CompletionRequest, vocab_size: int):
         out = []
-        for p in req.prompt_list():
+        prompts = req.prompt_list()
+        if len(prompts) * (req.n or 1) > MAX_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts x n={req.n} choices is more than {MAX_CHOICES} "
+                              "completions in one request", param="prompt")
+        for p in prompts:
             if isinstance(p, str):
                 ids = await self._run_blocking(
                     lambda p=p: self.tokenizer.encode(p, add_special_tokens=bool(req.add_special_tokens)),
@@ -191,7 +253,7 @@ class OpenAIIngress:
             first = None
             for i in range(sp.n):
                 index = p * sp.n + i
-                seed = None if sp.seed is None else sp.seed + i
+                seed = choice_seed(sp.seed, i)
                 # Prompt logprobs are the same for every choice of a prompt: compute them once.
                 plp = sp.prompt_logprobs if i == 0 else None
                 sub = SubRequest(index=index, prompt_idx=p, rid=f"{base_id}-{index}", prompt_ids=ids,
@@ -223,15 +285,37 @@ class OpenAIIngress:
         return ModelCard(id=self.served_model_name, created=self._created, root=self.model_path,
                          max_model_len=info.get("max_model_len"), vocab_size=info.get("vocab_size"))
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_schema(self, request: Request):
+        if self._openapi is None:
+            fastapi_app = getattr(self, "_asgi_app", None) or app
+            try:
+                info = await self._info()
+            except Exception:  # noqa: BLE001 - the schema without the vocabulary bound
+                info = {}
+            self._openapi = build_openapi(fastapi_app.routes, title=fastapi_app.title, version=_version(),
+                                          model_name=self.served_model_name, vocab_size=info.get("vocab_size"),
+                                          auth=bool(self.api_key))
+        schema = dict(self._openapi)
+        root = request.scope.get("root_path", "").rstrip("/")
+        if root:
+            schema["servers"] = [{"url": root}]
+        return JSONResponse(schema)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "").rstrip("/")
+        return get_swagger_ui_html(openapi_url=root + "/openapi.json", title="glm-ray API")
+
     @app.get("/v1/models")
-    @openai_errors()
-    async def list_models(self):
+    @openai_errors(auth=True)
+    async def list_models(self, request: Request):
         info = await self._info()
         return JSONResponse(ModelList(data=[self._model_card(info)]).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
-    @openai_errors()
-    async def get_model(self, model_id: str):
+    @openai_errors(auth=True)
+    async def get_model(self, model_id: str, request: Request):
         self._check_model(model_id)
         info = await self._info()
         return JSONResponse(self._model_card(info).model_dump())
@@ -248,17 +332,12 @@ class OpenAIIngress:
 
     @app.get("/version")
     async def version(self):
-        try:
-            from importlib.metadata import version
-            v = version("glm-ray")
-        except Exception:  # noqa: BLE001
-            v = "unknown"
-        return JSONResponse({"version": v})
+        return JSONResponse({"version": _version()})
 
     @app.post("/tokenize")
     @openai_errors()
     async def tokenize(self, request: Request):
-        req = parse_tokenize_body(await request.body())
+        req = parse_tokenize_body(await read_body(request))
         self._check_model(req.model)
         info = await self._info()
         if isinstance(req, TokenizeChatRequest):
@@ -274,7 +353,7 @@ class OpenAIIngress:
     @app.post("/detokenize")
     @openai_errors()
     async def detokenize(self, request: Request):
-        req = parse_body(await request.body(), DetokenizeRequest)
+        req = parse_body(await read_body(request), DetokenizeRequest)
         self._check_model(req.model)
         info = await self._info()
         vocab = max(int(info.get("vocab_size") or 0), len(self.tokenizer))
@@ -286,9 +365,9 @@ class OpenAIIngress:
     # ---------------- /v1/completions ----------------
 
     @app.post("/v1/completions")
-    @openai_errors("completion")
+    @openai_errors("completion", auth=True)
     async def completions(self, request: Request):
-        req = parse_body(await request.body(), CompletionRequest)
+        req = parse_body(await read_body(request), CompletionRequest)
         self._check_model(req.model)
         info = await self._info()
         max_model_len = int(info["max_model_len"])
@@ -351,7 +430,7 @@ class OpenAIIngress:
         try:
             async for item in fan.deltas():
                 if isinstance(item, APIError):
-                    yield sse(item.to_dict())
+                    yield sse(for_client(item).to_dict())
                     break
                 s, d = item
                 k = s.params.logprobs
@@ -401,9 +480,9 @@ class OpenAIIngress:
     # ---------------- /v1/chat/completions ----------------
 
     @app.post("/v1/chat/completions")
-    @openai_errors("chat")
+    @openai_errors("chat", auth=True)
     async def chat_completions(self, request: Request):
-        req = parse_body(await request.body(), ChatCompletionRequest)
+        req = parse_body(await read_body(request), ChatCompletionRequest)
         self._check_model(req.model)
         info = await self._info()
         max_model_len = int(info["max_model_len"])
@@ -461,7 +540,7 @@ class OpenAIIngress:
             plp_sent = req.prompt_logprobs is None
             async for item in fan.deltas():
                 if isinstance(item, APIError):
-                    yield sse(item.to_dict())
+                    yield sse(for_client(item).to_dict())
                     break
                 s, d = item
                 k = s.params.logprobs

@@ -2,8 +2,12 @@
 
 Request models accept what OpenAI's API and vLLM's extensions accept (sampling extras such as
 `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, ...) and
-ignore unknown fields like OpenAI does. `to_sampling_params` turns a request into the engine's
-`SamplingParams`; every problem becomes an `APIError` that the ingress renders as
+ignore unknown fields like OpenAI does. The numeric bounds are `engine.sampling_params.BOUNDS` (one
+rule set for the HTTP API, its OpenAPI schema and the offline API); roles and content-part types are
+closed sets. `parse_body` is the only way a body becomes a request: it rejects non-finite numbers
+(`NaN`, `Infinity`), nesting deeper than `MAX_JSON_DEPTH`, and strings that are not valid Unicode
+(lone surrogates) with a 400 before any model validation runs. `to_sampling_params` turns a request
+into the engine's `SamplingParams`; every problem becomes an `APIError` that the ingress renders as
 `{"error": {"message", "type", "param", "code"}}` with the right HTTP status.
 
 Logprob formatting lives here too, so it can be unit-tested without a server: the engine hands
@@ -19,15 +23,23 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Protocol, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from typing_extensions import Annotated
 
-from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.engine.sampling_params import (
+    BOUNDS, MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS, SamplingParams, is_valid_unicode,
+)
 
-# Largest n we fan out (each choice is one engine request).
-MAX_N = 128
 # Logprob values that JSON cannot carry (-inf, nan) are clamped to this, like vLLM.
 MIN_LOGPROB = -9999.0
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
+# Deepest JSON nesting a body may have (a chat request with tools needs ~10; JSON Schemas in tools a
+# few more). Deeper bodies are rejected before they reach a recursive parser or validator.
+MAX_JSON_DEPTH = 64
+# Engine requests one HTTP request may fan out to (prompts x n).
+MAX_CHOICES = 1024
+# Roles a chat message may have (OpenAI's, plus "developer").
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # --------------------------------------------------------------------------------------------
 # Errors
@@ -99,19 +111,63 @@ def format_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str | N
     return "; ".join(parts) or "invalid request", param
 
 
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def load_json(body: bytes | str) -> Any:
+    """Raw body -> JSON value, or APIError(400): malformed JSON (incl. `NaN`/`Infinity` and invalid
+    UTF-8), nesting deeper than MAX_JSON_DEPTH, or a string with a lone surrogate anywhere."""
+    try:
+        obj = json.loads(body, parse_constant=_reject_constant) if body else None
+    except RecursionError:
+        raise bad_request(f"The request body is nested deeper than {MAX_JSON_DEPTH} levels.",
+                          code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:   # JSONDecodeError is a ValueError
+        msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise bad_request(f"Malformed JSON body: {msg}", code="invalid_json") from None
+    check_json_tree(obj)
+    return obj
+
+
+def check_json_tree(obj: Any) -> None:
+    """Walk a parsed body without recursion: depth bound and valid Unicode in every key and string."""
+    stack = [(obj, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            if not is_valid_unicode(v):
+                raise bad_request("The request contains a string that is not valid Unicode (a lone UTF-16 "
+                                  "surrogate such as \\ud800).", code="invalid_unicode")
+            continue
+        if not isinstance(v, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"The request body is nested deeper than {MAX_JSON_DEPTH} levels.",
+                              code="invalid_json")
+        if isinstance(v, dict):
+            stack.extend((k, depth) for k in v)
+            stack.extend((x, depth + 1) for x in v.values())
+        else:
+            stack.extend((x, depth + 1) for x in v)
+
+
 def parse_body(body: bytes | str, model: type[BaseModel]) -> Any:
     """Raw request body -> `model`, raising APIError(400) on malformed JSON or bad fields."""
-    try:
-        obj = json.loads(body) if body else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"Malformed JSON body: {e}", code="invalid_json") from None
+    obj = load_json(body)
     if not isinstance(obj, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    return validate_model(obj, model)
+
+
+def validate_model(obj: dict, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(obj)
     except ValidationError as e:
-        msg, param = format_validation_errors(e.errors(include_url=False))
+        msg, param = format_validation_errors(e.errors(include_url=False, include_input=False))
         raise bad_request(msg, param=param) from None
+    except RecursionError:     # pragma: no cover - depth is bounded by load_json
+        raise bad_request("The request body is nested too deeply.", code="invalid_json") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,7 +177,8 @@ def parse_body(body: bytes | str, model: type[BaseModel]) -> Any:
 
 class OpenAIBaseModel(BaseModel):
     # OpenAI ignores unknown fields; keep them (visible via `model_extra`) but never act on them.
-    model_config = ConfigDict(extra="allow")
+    # Floats must be finite (1e999 parses as inf).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     def ignored_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
@@ -132,24 +189,33 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: Optional[bool] = False
 
 
+def bounded(name: str, default: Any = None, **kw) -> Any:
+    """A request field with the engine's bound for `name` (BOUNDS), which the OpenAPI schema shows."""
+    return Field(default, **BOUNDS[name].pydantic_kwargs(), **kw)
+
+
+TokenId = Annotated[int, Field(**BOUNDS["stop_token_id"].pydantic_kwargs())]
+StopString = Annotated[str, Field(min_length=1)]
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. `None` = "use the default"."""
     model: Optional[str] = None
-    n: Optional[int] = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    seed: Optional[int] = None
-    max_tokens: Optional[int] = None
-    min_tokens: Optional[int] = 0
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
+    n: Optional[int] = bounded("n", 1)
+    temperature: Optional[float] = bounded("temperature")
+    top_p: Optional[float] = bounded("top_p")
+    top_k: Optional[int] = bounded("top_k")
+    min_p: Optional[float] = bounded("min_p")
+    seed: Optional[int] = bounded("seed")
+    max_tokens: Optional[int] = bounded("max_tokens")
+    min_tokens: Optional[int] = bounded("min_tokens", 0)
+    stop: Union[StopString, list[StopString], None] = None
+    stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: Optional[bool] = False
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    prompt_logprobs: Optional[int] = None
+    presence_penalty: Optional[float] = bounded("presence_penalty")
+    frequency_penalty: Optional[float] = bounded("frequency_penalty")
+    repetition_penalty: Optional[float] = bounded("repetition_penalty")
+    prompt_logprobs: Optional[int] = bounded("prompt_logprobs")
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
     stream: Optional[bool] = False
@@ -168,10 +234,10 @@ class _SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16                 # OpenAI's and vLLM's default for completions
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    max_tokens: Optional[int] = bounded("max_tokens", 16)   # OpenAI's and vLLM's default for completions
     echo: Optional[bool] = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = bounded("logprobs")
     suffix: Optional[str] = None
     best_of: Optional[int] = None
     add_special_tokens: Optional[bool] = True
@@ -196,17 +262,27 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(OpenAIBaseModel):
-    type: str
-    text: Optional[str] = None
+    """A part of a message's content. The models served are text-only: text parts only (an image or
+    audio part is a 400 naming the type, not a silently dropped input)."""
+    type: Literal["text", "input_text"]
+    text: str
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: str
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
     tool_call_id: Optional[str] = None
     reasoning_content: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> "ChatMessage":
+        # OpenAI: content may be null only on an assistant message that carries tool calls.
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content is required for a {self.role!r} message (null only on an "
+                             "assistant message with tool_calls)")
+        return self
 
     def text_content(self) -> str:
         c = self.content
@@ -214,13 +290,7 @@ class ChatMessage(OpenAIBaseModel):
             return ""
         if isinstance(c, str):
             return c
-        texts = []
-        for part in c:
-            if part.type not in ("text", "input_text"):
-                raise bad_request(f"content part type {part.type!r} is not supported by this "
-                                  "text-only model", param="messages")
-            texts.append(part.text or "")
-        return "\n".join(texts)
+        return "\n".join(part.text for part in c)
 
     def to_template_dict(self) -> dict[str, Any]:
         """What the chat template sees: role + flattened text content + any other fields."""
@@ -232,14 +302,15 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = bounded("max_tokens")
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = bounded("logprobs")
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = False
+    chat_template: Optional[str] = None           # refused unless the server trusts request templates
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: Optional[bool] = False
 
@@ -261,6 +332,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     continue_final_message: Optional[bool] = False
     add_special_tokens: Optional[bool] = False
     return_token_strs: Optional[bool] = False
+    chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
 
@@ -269,17 +341,16 @@ class TokenizeChatRequest(OpenAIBaseModel):
 
 
 def parse_tokenize_body(body: bytes | str) -> Union[TokenizeCompletionRequest, TokenizeChatRequest]:
-    try:
-        obj = json.loads(body) if body else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"Malformed JSON body: {e}", code="invalid_json") from None
-    model = TokenizeChatRequest if isinstance(obj, dict) and "messages" in obj else TokenizeCompletionRequest
-    return parse_body(body, model)
+    obj = load_json(body)
+    if not isinstance(obj, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    model = TokenizeChatRequest if "messages" in obj else TokenizeCompletionRequest
+    return validate_model(obj, model)
 
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # --------------------------------------------------------------------------------------------

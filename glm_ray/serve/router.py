@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ray import serve
 
 from glm_ray.engine.engine_core import EngineCore
-from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError
+from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, request_failure
 from glm_ray.engine.llm import load_tokenizer, make_engine_config
 from glm_ray.engine.outputs import TokenDelta
 from glm_ray.engine.sampling_params import SamplingParams
@@ -25,6 +25,8 @@ from glm_ray.serve.args import ServeArgs
 from glm_ray.serve.metrics import EngineMetrics
 
 logger = logging.getLogger("glm_ray.serve.router")
+# What clients see once a rank is lost (the cause goes to the log): Serve replaces the replica.
+_DEAD_MESSAGE = "the engine stopped (a worker failed); the server is restarting it, retry shortly"
 
 
 class _Stream:
@@ -69,9 +71,9 @@ class Router:
     # ---- API used by the ingress --------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         if self._dead is not None:
-            raise EngineDeadError(f"the engine is dead: {self._dead}")
+            raise EngineDeadError(_DEAD_MESSAGE)
         if request_id in self._streams:
-            raise ValueError(f"duplicate request id {request_id!r}")
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
         if self._recent_aborts.pop(request_id, None) is not None:
             return                     # the caller gave up before we even saw the request
         self.engine.validate_request(prompt_token_ids, params)
@@ -88,6 +90,9 @@ class Router:
                 d: TokenDelta | BaseException = await stream.queue.get()
                 if isinstance(d, BaseException):
                     raise d
+                if d.finish_reason == "error":         # this request failed in a step; the engine goes on
+                    finished = True
+                    raise request_failure(d.error_type, d.error or "the request failed")
                 yield d
                 if d.finished:
                     finished = True
@@ -114,7 +119,7 @@ class Router:
 
     async def check_engine(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"the engine is dead: {self._dead}")
+            raise EngineDeadError(_DEAD_MESSAGE)
 
     async def check_health(self) -> None:
         """Serve health check: fails once a worker died or the loop crashed."""
@@ -125,13 +130,14 @@ class Router:
                 self._last_ok = time.monotonic()
             except Exception as e:
                 self._fail(e)
-                raise EngineDeadError(f"a worker is not responding: {e}") from e
+                raise EngineDeadError(_DEAD_MESSAGE) from e
 
     async def stats(self) -> dict:
         from glm_ray.engine.engine_core import summarize_steps
         s = self.engine.last_stats
         return {"running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
                 "kv_usage": self.engine.kv.usage(), "num_preemptions": self.engine.num_preemptions,
+                "kv_capacity_tokens": self.engine.kv.capacity_tokens, "max_model_len": self.engine.max_model_len,
                 "last_step": {"schedule_s": s.schedule_s, "execute_s": s.execute_s, "update_s": s.update_s,
                               "worker": s.worker_timings, "num_tokens": s.num_tokens},
                 "decode_steps": summarize_steps(list(self.engine.step_history)),
@@ -171,7 +177,10 @@ class Router:
                 self._fail(e)
                 return
             self._last_ok = time.monotonic()
-            self._publish(deltas)
+            try:
+                self._publish(deltas)
+            except Exception:  # noqa: BLE001 - metrics/queues must not stop the loop
+                logger.exception("publishing a step's outputs failed")
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         now = time.monotonic()
@@ -180,6 +189,10 @@ class Router:
         for d in deltas:
             st = self._streams.get(d.request_id)
             if st is None:
+                continue
+            if d.finish_reason == "error":              # no token: not a TTFT/ITL sample
+                m.on_error(d.error_type or "engine_error")
+                st.queue.put_nowait(d)
                 continue
             if st.first is None:
                 st.first = now
@@ -200,7 +213,8 @@ class Router:
 
     def _fail(self, e: BaseException) -> None:
         self._dead = e
-        err = EngineDeadError(f"the engine failed: {type(e).__name__}: {e}")
+        logger.error("the engine is dead: %s: %s", type(e).__name__, e)
+        err = EngineDeadError(_DEAD_MESSAGE)
         for st in self._streams.values():
             st.queue.put_nowait(err)
         self.metrics.on_error("engine_dead")

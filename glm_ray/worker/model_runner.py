@@ -3,6 +3,10 @@ forward pass and (on rank 0) sampled tokens.
 
 `execute(step)`:  update request states -> build inputs + ForwardBatch -> model -> logits of the
 positions that sample (and of prompt positions that want prompt logprobs) -> sample on rank 0.
+
+A failure stays with the requests it belongs to: an exception in the forward fails every request of
+the step (reported in `ModelRunnerOutput.failed`, the caches and the runner stay usable); one in
+sampling is retried row by row so only the rows that raise fail. The engine frees their KV and goes on.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from glm_ray.engine.outputs import LogprobDict
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.scheduler import SchedulerOutput
 from glm_ray.model.forward_batch import build_forward_batch, contiguous_block_tables
+from glm_ray.worker.faults import FaultInjector, classify
 from glm_ray.worker.sampler import SamplingRow, gather_logprobs, sample, to_logprob_dict
 
 logger = logging.getLogger(__name__)
@@ -34,11 +39,19 @@ class ReqState:
 
 
 @dataclass
+class StepFailure:
+    """Why a request failed in this step: `kind` "oom" | "error" (faults.classify), `message` one line."""
+    kind: str
+    message: str
+
+
+@dataclass
 class ModelRunnerOutput:
-    """What rank 0 returns for one step (plain data)."""
+    """What rank 0 returns for one step (plain data); other ranks return None, or this with `failed` set."""
     sampled: dict[str, int] = field(default_factory=dict)                      # req_id -> token
     logprobs: dict[str, LogprobDict] = field(default_factory=dict)             # req_id -> {tok: lp}
     prompt_logprobs: dict[str, list[LogprobDict]] = field(default_factory=dict)  # req_id -> per target pos
+    failed: dict[str, StepFailure] = field(default_factory=dict)               # req_id -> why it failed
     timings: dict[str, float] = field(default_factory=dict)                    # seconds: prepare/forward/sample
 
 
@@ -53,6 +66,7 @@ class ModelRunner:
             device)
         self.requests: dict[str, ReqState] = {}
         self.eos = model_cfg.eos_token_ids
+        self.faults = FaultInjector.from_env()                                 # None outside reliability tests
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB per rank)", num_blocks, self.block_size,
                     num_blocks * self.block_size * kv_bytes_per_token(model_cfg, model_cfg.dtype) / 2**20)
 
@@ -76,45 +90,76 @@ class ModelRunner:
         if step.is_empty:
             return ModelRunnerOutput() if tp_rank() == 0 else None
         seqs = step.seqs
-        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long).to(self.device)
-        qlens = [len(s.token_ids) for s in seqs]
-        batch = build_forward_batch(qlens, [s.start_pos + len(s.token_ids) for s in seqs],
-                                    [self.requests[s.req_id].block_ids for s in seqs], self.block_size,
-                                    self.device, self.cfg.mla_mode, [s.state_slot for s in seqs])
-        # rows of hidden states to turn into logits: every sampling seq's last token, plus the
-        # prompt positions of seqs that want prompt logprobs
-        ends = torch.tensor(qlens).cumsum(0)
-        sample_rows = [int(ends[i]) - 1 for i, s in enumerate(seqs) if s.sample]
-        t1 = time.perf_counter()
-        hidden = self.model(ids, batch, self.kv_caches, self.index_caches, self.state_caches)   # [T, D]
-        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None   # [N, V]
-        plp = self._prompt_logprobs(seqs, hidden, ends)
+        try:
+            flat = [t for s in seqs for t in s.token_ids]
+            if self.faults is not None:
+                self.faults.before_forward(flat)
+            ids = torch.tensor(flat, dtype=torch.long).to(self.device)
+            qlens = [len(s.token_ids) for s in seqs]
+            batch = build_forward_batch(qlens, [s.start_pos + len(s.token_ids) for s in seqs],
+                                        [self.requests[s.req_id].block_ids for s in seqs], self.block_size,
+                                        self.device, self.cfg.mla_mode, [s.state_slot for s in seqs])
+            # rows of hidden states to turn into logits: every sampling seq's last token, plus the
+            # prompt positions of seqs that want prompt logprobs
+            ends = torch.tensor(qlens).cumsum(0)
+            sample_rows = [int(ends[i]) - 1 for i, s in enumerate(seqs) if s.sample]
+            t1 = time.perf_counter()
+            hidden = self.model(ids, batch, self.kv_caches, self.index_caches, self.state_caches)   # [T, D]
+            logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None   # [N, V]
+            plp = self._prompt_logprobs(seqs, hidden, ends)
+            del hidden
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the runner goes on
+            return self._fail_step([s.req_id for s in seqs], e)
         t2 = time.perf_counter()
         if tp_rank() != 0:
             return None
         out = ModelRunnerOutput(prompt_logprobs=plp)
         sampling = [s for s in seqs if s.sample]
         if sampling:
-            rows = [SamplingRow(self.requests[s.req_id].params, self.requests[s.req_id].generator,
-                                self.requests[s.req_id].prompt_ids, self.requests[s.req_id].output_ids, self.eos)
-                    for s in sampling]
-            tokens, raw = sample(logits, rows)
-            tok_list = tokens.tolist()                                          # the one host sync per step
-            k = max((r.params.logprobs or 0) for r in rows)
-            want = any(r.params.logprobs is not None for r in rows)
-            lps = gather_logprobs(raw, tokens, k) if want else None
-            for i, (s, tok) in enumerate(zip(sampling, tok_list)):
-                self.requests[s.req_id].output_ids.append(tok)
-                out.sampled[s.req_id] = tok
-                n = rows[i].params.logprobs
-                if n is not None:
-                    out.logprobs[s.req_id] = to_logprob_dict(tok, lps[0][i], *lps[1][i], n)
+            self._sample(out, [s.req_id for s in sampling], logits)
         t3 = time.perf_counter()
         out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2}
         timer = collective_timer()
         if timer is not None:
             out.timings["collectives"] = timer.collect()     # inside "forward" (and the lm_head gather)
         return out
+
+    def _sample(self, out: ModelRunnerOutput, req_ids: list[str], logits: torch.Tensor) -> None:
+        """Sample every row at once; if that raises, row by row, failing only the rows that raise."""
+        try:
+            self._sample_rows(out, req_ids, logits)
+        except Exception:  # noqa: BLE001 - the error path only: find the rows that fail
+            for i, rid in enumerate(req_ids):          # NOTE: per-row loop on the error path only
+                try:
+                    self._sample_rows(out, [rid], logits[i:i + 1])
+                except Exception as e:  # noqa: BLE001
+                    out.failed.update(self._fail_step([rid], e).failed)
+
+    def _sample_rows(self, out: ModelRunnerOutput, req_ids: list[str], logits: torch.Tensor) -> None:
+        states = [self.requests[r] for r in req_ids]
+        if self.faults is not None:
+            self.faults.before_sample([st.prompt_ids for st in states])
+        rows = [SamplingRow(st.params, st.generator, st.prompt_ids, st.output_ids, self.eos) for st in states]
+        tokens, raw = sample(logits, rows)
+        tok_list = tokens.tolist()                                          # the one host sync per step
+        k = max((r.params.logprobs or 0) for r in rows)
+        want = any(r.params.logprobs is not None for r in rows)
+        lps = gather_logprobs(raw, tokens, k) if want else None
+        for i, (rid, st, tok) in enumerate(zip(req_ids, states, tok_list)):
+            st.output_ids.append(tok)
+            out.sampled[rid] = tok
+            n = rows[i].params.logprobs
+            if n is not None:
+                out.logprobs[rid] = to_logprob_dict(tok, lps[0][i], *lps[1][i], n)
+
+    def _fail_step(self, req_ids: list[str], e: BaseException) -> ModelRunnerOutput:
+        kind = classify(e)
+        logger.error("rank %d: step failed (%s) for requests %s", tp_rank(), kind, req_ids, exc_info=e)
+        if kind == "oom" and self.device.type == "cuda":
+            torch.cuda.empty_cache()                     # give the allocator's cached blocks back
+        msg = ("the server ran out of memory while running this request; retry later" if kind == "oom"
+               else "an internal error occurred while running this request")
+        return ModelRunnerOutput(failed={r: StepFailure(kind, msg) for r in req_ids})
 
     def _prompt_logprobs(self, seqs, hidden, ends) -> dict[str, list[LogprobDict]]:
         out: dict[str, list[LogprobDict]] = {}

@@ -81,6 +81,18 @@ class WorkerActor:
         return self.worker.model_cfg
 
 
+def merge_rank_outputs(outputs: list):
+    """Rank 0's output, plus every request another rank reported as failed (ranks run the same
+    forward, so a failing forward normally fails on all of them; rank 0 alone samples)."""
+    out = outputs[0]
+    for other in outputs[1:]:
+        if other is not None and other.failed:
+            for rid, failure in other.failed.items():
+                out.failed.setdefault(rid, failure)
+                out.sampled.pop(rid, None)
+    return out
+
+
 class RayWorkerGroup:
     def __init__(self, cfg: EngineConfig, placement: PlacementGroup | None = None, first_bundle: int | None = None,
                  name_prefix: str | None = None):
@@ -143,8 +155,8 @@ class RayWorkerGroup:
 
     def execute(self, step: SchedulerOutput):
         if self._dag is not None:
-            return ray.get(self._dag.execute(step))[0]
-        return ray.get([a.execute.remote(step) for a in self.actors])[0]
+            return merge_rank_outputs(ray.get(self._dag.execute(step)))
+        return merge_rank_outputs(ray.get([a.execute.remote(step) for a in self.actors]))
 
     def check_health(self) -> None:
         """Run an empty step on every rank; raises when any rank is gone.

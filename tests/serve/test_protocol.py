@@ -103,8 +103,8 @@ def test_chat_content_parts_are_flattened():
 
 
 def test_chat_image_part_is_400():
-    r = chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
-    assert api_error(r.template_messages).param == "messages"
+    e = api_error(chat, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert e.status_code == 400 and e.param == "messages" and "'text'" in e.message
 
 
 def test_tokenize_body_dispatch():
@@ -183,8 +183,12 @@ def test_greedy():
     ("stop", [""], "stop"),
 ])
 def test_invalid_completion_params_are_400_with_param(field, value, param):
-    e = api_error(to_sampling_params, completion(**{field: value}), 100)
+    e = api_error(lambda: to_sampling_params(completion(**{field: value}), 100))
     assert e.status_code == 400 and e.param == param, e
+    # the offline API applies the same rule (one rule set: sampling_params.BOUNDS)
+    with pytest.raises(ValueError) as ei:
+        SamplingParams(**{field: value})
+    assert getattr(ei.value, "param", None) == param
 
 
 def test_min_tokens_above_max_tokens():
@@ -192,13 +196,13 @@ def test_min_tokens_above_max_tokens():
 
 
 def test_n_limit():
-    assert api_error(to_sampling_params, completion(n=P.MAX_N + 1), 100).param == "n"
+    assert api_error(lambda: to_sampling_params(completion(n=P.MAX_N + 1), 100)).param == "n"
 
 
 def test_chat_max_completion_tokens_param_name():
-    e = api_error(to_sampling_params, chat(max_completion_tokens=-3), 100)
+    e = api_error(lambda: to_sampling_params(chat(max_completion_tokens=-3), 100))
     assert e.param == "max_completion_tokens"
-    assert api_error(to_sampling_params, chat(max_tokens=-3), 100).param == "max_tokens"
+    assert api_error(lambda: to_sampling_params(chat(max_tokens=-3), 100)).param == "max_tokens"
 
 
 def test_chat_logprobs_mapping():
@@ -207,8 +211,8 @@ def test_chat_logprobs_mapping():
     assert to_sampling_params(chat(logprobs=True), 10).logprobs == 0
     assert to_sampling_params(chat(logprobs=True, top_logprobs=5), 10).logprobs == 5
     assert api_error(to_sampling_params, chat(top_logprobs=2), 10).param == "top_logprobs"
-    assert api_error(to_sampling_params, chat(logprobs=True, top_logprobs=21), 10).param == "top_logprobs"
-    assert api_error(to_sampling_params, chat(logprobs=True, top_logprobs=-1), 10).param == "top_logprobs"
+    assert api_error(lambda: to_sampling_params(chat(logprobs=True, top_logprobs=21), 10)).param == "top_logprobs"
+    assert api_error(lambda: to_sampling_params(chat(logprobs=True, top_logprobs=-1), 10)).param == "top_logprobs"
 
 
 def test_echo_with_logprobs_requests_prompt_logprobs():
