@@ -118,6 +118,10 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _is_loopback(ip: str) -> bool:
+    return ip in ("localhost", "::1") or ip.startswith("127.")
+
+
 def _url_host(host: str) -> str:
     """Where a client on this machine reaches a server bound to `host`."""
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -128,6 +132,12 @@ def cmd_serve(a) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     app_args = serve_app_args(a)
     sa = ServeArgs.from_dict(app_args)          # bad flags fail here, before Ray starts
+    if not a.address and _is_loopback(a.ray_node_ip):
+        # NOTE: on Linux Ray swaps a loopback --node-ip-address for the host's reachable IP, and its gRPC
+        # servers (GCS, raylet, workers) then listen on every interface. Ray's single-node mode (its
+        # default on macOS/Windows) keeps 127.0.0.1 as the node IP, and with it every Ray port on
+        # loopback. It is read when `ray` is imported, so it is set before that.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
     from ray import serve
     from glm_ray.serve.app import build_app
