@@ -73,6 +73,8 @@ def test_config(http_port: int, extra_apps: list[dict]) -> dict:
         app = copy.deepcopy(base)
         app["name"], app["route_prefix"] = extra["name"], extra["route_prefix"]
         app["args"] = {**base["args"], **extra.get("args", {})}
+        if "runtime_env" in extra:       # e.g. env_vars for a test-only fault-injection app
+            app["runtime_env"] = copy.deepcopy(extra["runtime_env"])
         cfg["applications"].append(app)
     return cfg
 
