@@ -51,6 +51,8 @@ def oracle_dir(tiny_variants) -> str:
 
 
 # ---- one Ray + Serve cluster for the session -----------------------------------------------------
+from tests.reliability.apps import FAULTS_APP  # noqa: E402
+
 EXTRA_APPS = [
     {"name": "tp2", "route_prefix": "/tp2", "args": {"tp": 2, "served_model_name": "glm5-tiny-tp2"}},
     {"name": "fp8on", "route_prefix": "/fp8on", "args": {"fp8_proj_gemm": True,
@@ -58,6 +60,8 @@ EXTRA_APPS = [
     # one running + one waiting request at most: for the overload (503) and worker-death tests
     {"name": "small", "route_prefix": "/small", "args": {"max_num_seqs": 1, "max_queued_requests": 1,
                                                          "served_model_name": "glm5-tiny-small"}},
+    # tests/reliability: a 1280-token KV cache (4x overload = a handful of requests) + fault injection
+    FAULTS_APP,
 ]
 
 
