@@ -20,5 +20,5 @@ def build_app(args: dict | None = None) -> Application:
     # NOTE: long generations must survive rolling updates: both deployments drain for up to 10 minutes
     ingress = ingress_deployment(num_replicas=a.ingress_replicas, ray_actor_options={"num_cpus": 0.1},
                                  graceful_shutdown_timeout_s=600)
-    return ingress.bind(router, model, a.model_name(), api_key=getattr(a, "api_key", None),
-                        trust_request_chat_template=getattr(a, "trust_request_chat_template", False))
+    return ingress.bind(router, model, a.model_name(), api_key=a.api_key,
+                        trust_request_chat_template=a.trust_request_chat_template)

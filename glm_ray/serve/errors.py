@@ -122,8 +122,10 @@ def openai_errors(what: str = "request", auth: bool = False):
         @functools.wraps(handler)               # keeps the signature FastAPI / Serve inspect
         async def wrapper(*args, **kwargs):
             try:
-                if auth:
-                    args[0].authorize(kwargs.get("request") or next(a for a in args if isinstance(a, Request)))
+                if auth:    # Serve's class-based views pass `self` and `request` as keywords
+                    owner = kwargs["self"] if "self" in kwargs else args[0]
+                    owner.authorize(kwargs["request"] if "request" in kwargs
+                                    else next(a for a in args if isinstance(a, Request)))
                 return await handler(*args, **kwargs)
             except Exception as e:  # noqa: BLE001
                 err = map_exception(e)
