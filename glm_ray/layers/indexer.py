@@ -16,7 +16,7 @@ from glm_ray.config import ModelConfig
 from glm_ray.layers.linear import ReplicatedLinear
 from glm_ray.layers.norm import LayerNorm
 from glm_ray.layers.rotary import RopeCache, apply_rope
-from glm_ray.model.forward_batch import AttnGroup, ForwardBatch
+from glm_ray.forward_batch import AttnGroup, ForwardBatch
 
 
 _SCORE_BYTES = 256 * 2**20

@@ -25,7 +25,7 @@ from glm_ray import kernels
 from glm_ray.kernels.torch_ref.kda import causal_conv1d, kda_chunked
 from glm_ray.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.layers.weights import load_sharded, set_weight_attrs
-from glm_ray.model.forward_batch import AttnGroup, ForwardBatch
+from glm_ray.forward_batch import AttnGroup, ForwardBatch
 
 
 class ShortConv(nn.Module):

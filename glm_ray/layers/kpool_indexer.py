@@ -32,7 +32,7 @@ from glm_ray.config import ModelConfig
 from glm_ray.layers.indexer import Indexer
 from glm_ray.layers.rotary import RopeCache
 from glm_ray.layers.weights import load_sharded, set_weight_attrs
-from glm_ray.model.forward_batch import AttnGroup, ForwardBatch
+from glm_ray.forward_batch import AttnGroup, ForwardBatch
 
 
 _SCORE_BYTES = 256 * 2**20

@@ -24,7 +24,7 @@ from glm_ray.layers.kpool_indexer import KPoolIndexer
 from glm_ray.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.layers.norm import RMSNorm
 from glm_ray.layers.rotary import RopeCache, apply_rope
-from glm_ray.model.forward_batch import AttnGroup, ForwardBatch
+from glm_ray.forward_batch import AttnGroup, ForwardBatch
 
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

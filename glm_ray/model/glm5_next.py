@@ -25,7 +25,7 @@ from glm_ray.layers.kda import KimiDeltaAttention
 from glm_ray.layers.mhc import HyperConnection
 from glm_ray.layers.mla import MLAAttention
 from glm_ray.layers.norm import RMSNorm
-from glm_ray.model.forward_batch import ForwardBatch
+from glm_ray.forward_batch import ForwardBatch
 from glm_ray.model.glm_moe_dsa import GlmMoeDsaForCausalLM, _lm_head_quant, make_mlp
 
 # KDA layer index -> (conv_state [S, K-1, 3·H·dk], recurrent state [S, H, dk, dv] fp32)

@@ -19,7 +19,7 @@ from glm_ray.layers.mla import MLAAttention
 from glm_ray.layers.moe import MLP, MoE
 from glm_ray.layers.norm import RMSNorm
 from glm_ray.layers.rotary import RotaryEmbedding
-from glm_ray.model.forward_batch import ForwardBatch
+from glm_ray.forward_batch import ForwardBatch
 
 
 def make_mlp(cfg: ModelConfig, sparse: bool, *, quant_config, prefix: str, params_dtype, tp: int) -> nn.Module:

@@ -22,7 +22,7 @@ from glm_ray.engine.kv_cache import kv_bytes_per_token, state_shapes
 from glm_ray.engine.outputs import LogprobDict
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.scheduler import SchedulerOutput
-from glm_ray.model.forward_batch import build_forward_batch, contiguous_block_tables
+from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables
 from glm_ray.worker.faults import FaultInjector, classify
 from glm_ray.worker.sampler import SamplingRow, gather_logprobs, sample, to_logprob_dict
 

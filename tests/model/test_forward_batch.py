@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from glm_ray.model.forward_batch import build_forward_batch, contiguous_block_tables
+from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables
 
 
 def _tables(context_lens, bs):

@@ -136,7 +136,7 @@ def test_long_context_key_chunked_attention_matches_transformers(oracle_dir, mon
 def test_decode_buckets_match_transformers(oracle_dir, monkeypatch):
     """A long and two short requests decoding together are split into context buckets (several
     absorbed groups in one step) and still match the oracle."""
-    import glm_ray.model.forward_batch as fb
+    import glm_ray.forward_batch as fb
     seen = []
     orig = fb.build_forward_batch
 
