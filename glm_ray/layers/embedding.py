@@ -7,7 +7,7 @@ from torch import nn
 
 from glm_ray.distributed.parallel_state import all_gather, all_reduce, tp_rank
 from glm_ray.layers.linear import ColumnParallelLinear
-from glm_ray.layers.weights import load_sharded, set_weight_attrs
+from glm_ray.weights import load_sharded, set_weight_attrs
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -24,7 +24,7 @@ from glm_ray.distributed.parallel_state import tp_rank
 from glm_ray import kernels
 from glm_ray.kernels.torch_ref.kda import causal_conv1d, kda_chunked
 from glm_ray.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from glm_ray.layers.weights import load_sharded, set_weight_attrs
+from glm_ray.weights import load_sharded, set_weight_attrs
 from glm_ray.forward_batch import AttnGroup, ForwardBatch
 
 

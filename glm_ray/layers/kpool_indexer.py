@@ -31,7 +31,7 @@ from torch import nn
 from glm_ray.config import ModelConfig
 from glm_ray.layers.indexer import Indexer
 from glm_ray.layers.rotary import RopeCache
-from glm_ray.layers.weights import load_sharded, set_weight_attrs
+from glm_ray.weights import load_sharded, set_weight_attrs
 from glm_ray.forward_batch import AttnGroup, ForwardBatch
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from glm_ray.distributed.parallel_state import all_reduce, tp_rank, tp_size
-from glm_ray.layers.weights import CheckpointTensor, load_sharded
+from glm_ray.weights import CheckpointTensor, load_sharded
 
 
 class LinearBase(nn.Module):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm_ray import kernels
-from glm_ray.layers.weights import load_sharded, set_weight_attrs
+from glm_ray.weights import load_sharded, set_weight_attrs
 
 
 class HyperConnection(nn.Module):

@@ -7,9 +7,6 @@ sums are added and all-reduced once.
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,21 +14,9 @@ from torch import nn
 from glm_ray.config import ModelConfig
 from glm_ray.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from glm_ray.kernels.torch_ref.moe import swiglu
+from glm_ray.layer_contracts import LayerKind, MoEContract
 from glm_ray.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from glm_ray.layers.weights import load_sharded, set_weight_attrs
-
-
-class GateMode(enum.Enum):
-    SEPARATED = "separated"      # w13 = [gate rows ; up rows]   (what we store at runtime)
-    INTERLEAVED = "interleaved"  # rows alternate gate/up        (converted at load, never stored)
-
-
-@dataclass(frozen=True)
-class MoEContract:
-    gate_mode: GateMode = GateMode.SEPARATED
-    swiglu_limit: float | None = None      # clamped SwiGLU: silu(min(g, L)) * clamp(u, -L, L)
-    hidden_pad: int = 0                    # zero columns appended to D for the kernel's alignment
-    intermediate_pad: int = 0              # zero rows appended to each half of I
+from glm_ray.weights import load_sharded, set_weight_attrs
 
 
 class TopKRouter(nn.Module):
@@ -71,6 +56,7 @@ class TopKRouter(nn.Module):
 
 class FusedMoE(nn.Module):
     """Routed experts of one layer; weights owned by the quant method (w13 [E, 2I/tp, D], w2 [E, D, I/tp])."""
+    kind = LayerKind.MOE
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, quant_config,
                  prefix: str, params_dtype: torch.dtype, contract: MoEContract, tp: int = 1):

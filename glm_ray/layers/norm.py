@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glm_ray.layers.weights import load_sharded, set_weight_attrs
+from glm_ray.weights import load_sharded, set_weight_attrs
 
 
 class RMSNorm(nn.Module):

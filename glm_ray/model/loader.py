@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from glm_ray.layers.weights import CheckpointTensor, WeightError
+from glm_ray.weights import CheckpointTensor, WeightError
 
 logger = logging.getLogger(__name__)
 

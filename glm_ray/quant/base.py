@@ -11,13 +11,8 @@ into runtime layout (dequant for the reference, preshuffle for aiter, ...), `app
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from glm_ray.layers.moe import FusedMoE
 
 
 class LinearMethod(ABC):
@@ -41,14 +36,14 @@ class MoEMethod(ABC):
     """Strategy for the routed experts of one MoE layer (per-rank intermediate shard)."""
 
     @abstractmethod
-    def create_weights(self, layer: "FusedMoE", num_experts: int, hidden_size: int,
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size: int, params_dtype: torch.dtype) -> None: ...
 
-    def process_weights_after_loading(self, layer: "FusedMoE") -> None:
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
         return None
 
     @abstractmethod
-    def apply(self, layer: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor,
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor: ...   # x [T, D], topk_* [T, K] -> [T, D]
 
 

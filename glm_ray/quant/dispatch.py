@@ -2,7 +2,7 @@
 
 `SpecQuantConfig.get_method(layer, prefix)` is the single per-layer decision:
 
-1. the layer kind: `FusedMoE` -> "moe" (checkpoint modules `prefix.{e}.{gate,up,down}_proj`), any
+1. the layer kind (`layer.kind`, layer_contracts.py): routed experts -> "moe" (checkpoint modules `prefix.{e}.{gate,up,down}_proj`), any
    other linear -> "linear"; a fused runtime linear is resolved from the checkpoint modules it holds
    (`gate_up_proj` = `gate_proj` + `up_proj`, which must agree);
 2. `spec.scheme_for(prefix, kind)` applies the config's own rules (fp8 `ignored_layers` /
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from glm_ray.layer_contracts import LayerKind, layer_kind
 from glm_ray.quant.base import LinearMethod, MoEMethod, QuantConfig
 from glm_ray.quant.config import QuantScheme, QuantSpec, UnsupportedQuantSchemeError
 from glm_ray.quant.runtime import describe
@@ -76,8 +77,7 @@ class SpecQuantConfig(QuantConfig):
         self.decisions: dict[str, QuantScheme] = {}          # prefix -> scheme (for logs / tests)
 
     def scheme_for_layer(self, layer: nn.Module, prefix: str) -> tuple[str, QuantScheme]:
-        from glm_ray.layers.moe import FusedMoE
-        if isinstance(layer, FusedMoE):
+        if layer_kind(layer) == LayerKind.MOE:
             return "moe", self.spec.scheme_for(prefix, "moe", num_experts=layer.num_experts)
         return "linear", self.spec.scheme_for(prefix, "linear", shard_prefixes=checkpoint_shards(prefix))
 

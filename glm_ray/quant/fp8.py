@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from glm_ray.kernels.torch_ref.fp8 import FP8_DTYPE, dequant_block_fp8
-from glm_ray.layers.weights import set_weight_attrs
+from glm_ray.layer_contracts import GateMode
+from glm_ray.weights import set_weight_attrs
 from glm_ray.quant.base import LinearMethod, MoEMethod
 from glm_ray.quant.config import QuantScheme, UnsupportedQuantSchemeError
 from glm_ray.quant.runtime import (
@@ -127,7 +128,6 @@ class Fp8BlockMoEMethod(MoEMethod):
         self.block = scheme.block
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size, params_dtype):
-        from glm_ray.layers.moe import GateMode
         bn, bk = self.block
         prefix, c = layer.prefix, layer.contract
         desc = "fp8_block " + describe(self.scheme)

@@ -21,7 +21,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from glm_ray.layers.weights import set_weight_attrs
+from glm_ray.layer_contracts import GateMode
+from glm_ray.weights import set_weight_attrs
 from glm_ray.quant.base import LinearMethod, MoEMethod
 from glm_ray.quant.config import QuantScheme, UnsupportedQuantSchemeError
 from glm_ray.quant.fp8 import _replace_params
@@ -53,7 +54,6 @@ class Mxfp4MoEMethod(MoEMethod):
         if c.hidden_pad % MX or c.intermediate_pad % MX:
             raise UnsupportedQuantSchemeError(prefix, desc, f"contract padding {c.hidden_pad}/{c.intermediate_pad} "
                                                             f"is not a multiple of {MX}")
-        from glm_ray.layers.moe import GateMode
         if c.gate_mode == GateMode.INTERLEAVED and (c.hidden_pad or c.intermediate_pad):
             raise UnsupportedQuantSchemeError(prefix, desc, "an interleaved gate/up source with preset padding")
         ops = bind_runner(layer)
@@ -91,7 +91,6 @@ class Mxfp4MoEMethod(MoEMethod):
 
     def process_weights_after_loading(self, layer):
         from glm_ray.kernels.torch_ref.aiter_layout import deinterleave_gate_up_rows
-        from glm_ray.layers.moe import GateMode
         c = layer.contract
         if c.gate_mode == GateMode.INTERLEAVED:
             # rows as loaded alternate g0, u0, g1, u1, ... over the real 2I rows; runner padding rows (zero

@@ -16,7 +16,7 @@ from torch import nn
 
 from glm_ray import kernels
 from glm_ray.distributed.parallel_state import tp_rank
-from glm_ray.layers.weights import FLOAT_DTYPES, CheckpointTensor, WeightError, load_sharded
+from glm_ray.weights import FLOAT_DTYPES, CheckpointTensor, WeightError, load_sharded
 from glm_ray.quant.config import QuantScheme
 
 

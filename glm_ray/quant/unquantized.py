@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm_ray import kernels
-from glm_ray.layers.weights import set_weight_attrs
+from glm_ray.layer_contracts import LayerKind, layer_kind
+from glm_ray.weights import set_weight_attrs
 from glm_ray.quant.base import LinearMethod, MoEMethod, QuantConfig
 
 
@@ -41,5 +42,4 @@ class Unquantized(QuantConfig):
     name = "none"
 
     def get_method(self, layer, prefix):
-        from glm_ray.layers.moe import FusedMoE
-        return UnquantizedMoEMethod() if isinstance(layer, FusedMoE) else UnquantizedLinearMethod()
+        return UnquantizedMoEMethod() if layer_kind(layer) == LayerKind.MOE else UnquantizedLinearMethod()

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glm_ray import LLM
-from glm_ray.layers.weights import WeightError
+from glm_ray.weights import WeightError
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 
 from glm_ray import LLM, SamplingParams
 from glm_ray.engine.tokenizer import synthetic_tokenizer
-from glm_ray.layers.weights import WeightError
+from glm_ray.weights import WeightError
 from glm_ray.model.tiny import resolve_model
 
 

@@ -15,7 +15,8 @@ from glm_ray import kernels
 from glm_ray.kernels.torch_ref.aiter_layout import shuffle_weight as ref_shuffle
 from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear, dequant_block_fp8
 from glm_ray.layers.linear import ColumnParallelLinear
-from glm_ray.layers.moe import FusedMoE, MoEContract
+from glm_ray.layer_contracts import MoEContract
+from glm_ray.layers.moe import FusedMoE
 from glm_ray.quant.config import UnsupportedQuantSchemeError
 from tests.kernels import fake_aiter
 from tests.quant.helpers import (

@@ -16,7 +16,7 @@ from glm_ray.config import ModelConfig
 from glm_ray.layers import kda as kda_mod
 from glm_ray.layers import linear as linear_mod
 from glm_ray.layers.kda import KimiDeltaAttention
-from glm_ray.layers.weights import CheckpointTensor
+from glm_ray.weights import CheckpointTensor
 from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables
 from glm_ray.quant import Unquantized
 

@@ -14,7 +14,8 @@ from glm_ray.kernels.torch_ref.moe_quant import fused_moe_act_qdq, qdq_fp8_1x128
 from glm_ray.kernels.torch_ref.mxfp4 import dequant_mxfp4, mxfp4_linear, qdq_mxfp4
 from glm_ray.kernels.torch_ref.quant_ops import MoEQuantLayout
 from glm_ray.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from glm_ray.layers.moe import FusedMoE, GateMode, MoE, MoEContract
+from glm_ray.layer_contracts import GateMode, MoEContract
+from glm_ray.layers.moe import FusedMoE, MoE
 from glm_ray.model.glm_moe_dsa import _checkpoint_names
 from glm_ray.model.tiny import bundled_config
 from glm_ray.quant.config import UnsupportedQuantSchemeError, parse_quant_config
@@ -187,7 +188,7 @@ def test_quark_block_fp8_linear_reads_weight_scale_from_disk():
 
 
 def test_bf16_tensor_where_config_says_fp8_is_a_clear_error():
-    from glm_ray.layers.weights import WeightError
+    from glm_ray.weights import WeightError
     prefix = "model.layers.0.self_attn.kv_b_proj"
     lin = ColumnParallelLinear(128, 256, quant_config=fp8_config(), prefix=prefix, params_dtype=F32)
     with pytest.raises(WeightError, match=r"kv_b_proj.*BF16.*ignored_layers"):
