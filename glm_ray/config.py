@@ -361,3 +361,21 @@ class EngineConfig:
         if self.device != "auto":
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str = "auto", device: str = "auto",
+                       load_format: str = "auto", kernel_backend: str = "auto", mla_mode: str = "auto",
+                       max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                       block_size: int = 16, kv_cache_memory_bytes: int | None = None,
+                       gpu_memory_utilization: float = 0.9, max_waiting: int = 4096, seed: int = 0,
+                       fp8_proj_gemm: bool | None = None, fp8_proj_min_tokens: int = 512) -> EngineConfig:
+    if fp8_proj_gemm is None:       # the flag's third spelling: GLM_RAY_FP8_PROJ_GEMM=1
+        fp8_proj_gemm = os.environ.get("GLM_RAY_FP8_PROJ_GEMM", "").strip().lower() in ("1", "true", "yes", "on")
+    return EngineConfig(
+        model=model, dtype=dtype, device=device, load_format=load_format, kernel_backend=kernel_backend,
+        mla_mode=mla_mode, seed=seed, fp8_proj_gemm=fp8_proj_gemm, fp8_proj_min_tokens=fp8_proj_min_tokens,
+        cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                          gpu_memory_utilization=gpu_memory_utilization),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=max_model_len, max_waiting=max_waiting),
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))

@@ -25,7 +25,8 @@ from glm_ray.engine.kv_cache import KVCacheManager
 from glm_ray.engine.outputs import TokenDelta
 from glm_ray.engine.request import Request, RequestStatus
 from glm_ray.engine.sampling_params import SamplingParams
-from glm_ray.engine.scheduler import Scheduler, SchedulerOutput
+from glm_ray.engine.contract import Executor, SchedulerOutput
+from glm_ray.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def summarize_steps(steps, decode_only: bool = True) -> dict:
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig, executor, tokenizer=None):
+    def __init__(self, cfg: EngineConfig, executor: Executor, tokenizer=None):
         self.cfg = cfg
         self.executor = executor
         self.model_cfg = executor.model_cfg

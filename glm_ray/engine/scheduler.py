@@ -11,54 +11,18 @@ Every running request also holds one of `max_num_seqs` state slots (its row in t
 recurrent-state caches of hybrid models such as GLM-5.3-Flash's KDA layers), taken on admission and
 given back on preemption or finish.
 
-`SchedulerOutput` is the per-step message to the workers: a diff (new requests once, new block ids,
-finished ids), not the whole state.
+Its output is the per-step message to the workers (`SchedulerOutput`, engine/contract.py): a diff
+(new requests once, new block ids, finished ids), not the whole state.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from glm_ray.config import SchedulerConfig
+from glm_ray.engine.contract import NewRequestData, ScheduledSeq, SchedulerOutput
 from glm_ray.engine.kv_cache import KVCacheManager
 from glm_ray.engine.request import Request, RequestStatus
-from glm_ray.engine.sampling_params import SamplingParams
-
-
-@dataclass
-class NewRequestData:
-    req_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass
-class ScheduledSeq:
-    req_id: str
-    token_ids: list[int]              # tokens to compute this step (a prefill chunk, or 1 for decode)
-    start_pos: int                    # position of token_ids[0] (= tokens already in the KV cache)
-    block_ids: list[int]              # new blocks; the whole table when `reset_blocks`
-    reset_blocks: bool
-    sample: bool                      # this chunk ends at the request's last token -> sample next
-    prompt_logprobs: bool = False     # compute prompt logprobs over this chunk
-    state_slot: int = 0               # row of the request in the recurrent-state caches
-
-
-@dataclass
-class SchedulerOutput:
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    finished_req_ids: list[str] = field(default_factory=list)   # workers drop their state
-    num_preempted: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
 
 
 class Scheduler:

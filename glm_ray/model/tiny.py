@@ -82,7 +82,7 @@ def write_tiny(out_dir: str | os.PathLike, config: dict | None = None, seed: int
     from glm_ray.config import ModelConfig
     from glm_ray.model.loader import init_dummy_weights
     from glm_ray.quant import Unquantized
-    from glm_ray.worker.worker import MODEL_CLASSES
+    from glm_ray.model import MODEL_CLASSES
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

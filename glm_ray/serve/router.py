@@ -18,11 +18,13 @@ from ray import serve
 
 from glm_ray.engine.engine_core import EngineCore
 from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, request_failure
-from glm_ray.engine.llm import load_tokenizer, make_engine_config
+from glm_ray.config import make_engine_config
+from glm_ray.engine.tokenizer import load_tokenizer
 from glm_ray.engine.outputs import TokenDelta
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.serve.args import ServeArgs
 from glm_ray.serve.metrics import EngineMetrics
+from glm_ray.worker.worker_group import RayWorkerGroup
 
 logger = logging.getLogger("glm_ray.serve.router")
 # What clients see once a rank is lost (the cause goes to the log): Serve replaces the replica.
@@ -51,7 +53,6 @@ class Router:
             kv_cache_memory_bytes=int(a.kv_cache_memory_gb * 2**30) if a.kv_cache_memory_gb else None,
             gpu_memory_utilization=a.gpu_memory_utilization, max_waiting=a.max_queued_requests,
             fp8_proj_gemm=a.fp8_proj_gemm, fp8_proj_min_tokens=a.fp8_proj_min_tokens)
-        from glm_ray.worker.worker_group import RayWorkerGroup
         self.executor = RayWorkerGroup(self.cfg, name_prefix=_worker_name_prefix())
         self.engine = EngineCore(self.cfg, self.executor, load_tokenizer(model))
         self.model_path = model

@@ -18,11 +18,11 @@ import torch
 
 from glm_ray.config import EngineConfig, ModelConfig
 from glm_ray.distributed.parallel_state import collective_timer, tp_rank
-from glm_ray.engine.kv_cache import kv_bytes_per_token, state_shapes
+from glm_ray.engine.contract import ModelRunnerOutput, SchedulerOutput, StepFailure
 from glm_ray.engine.outputs import LogprobDict
 from glm_ray.engine.sampling_params import SamplingParams
-from glm_ray.engine.scheduler import SchedulerOutput
 from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables
+from glm_ray.worker.cache import allocate_caches, kv_bytes_per_token
 from glm_ray.worker.faults import FaultInjector, classify
 from glm_ray.worker.sampler import SamplingRow, gather_logprobs, sample, to_logprob_dict
 
@@ -36,23 +36,6 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
-
-
-@dataclass
-class StepFailure:
-    """Why a request failed in this step: `kind` "oom" | "error" (faults.classify), `message` one line."""
-    kind: str
-    message: str
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What rank 0 returns for one step (plain data); other ranks return None, or this with `failed` set."""
-    sampled: dict[str, int] = field(default_factory=dict)                      # req_id -> token
-    logprobs: dict[str, LogprobDict] = field(default_factory=dict)             # req_id -> {tok: lp}
-    prompt_logprobs: dict[str, list[LogprobDict]] = field(default_factory=dict)  # req_id -> per target pos
-    failed: dict[str, StepFailure] = field(default_factory=dict)               # req_id -> why it failed
-    timings: dict[str, float] = field(default_factory=dict)                    # seconds: prepare/forward/sample
 
 
 class ModelRunner:
@@ -183,22 +166,6 @@ class ModelRunner:
             chosen, tops = gather_logprobs(lp, targets, k)
             out[s.req_id] = [to_logprob_dict(t, c, *tp, k) for t, c, tp in zip(targets.tolist(), chosen, tops)]
         return out
-
-
-def allocate_caches(model_cfg: ModelConfig, num_slots: int, num_seqs: int, tp: int, device: torch.device):
-    """Zeroed caches of one rank: the MLA latent per attention layer (None for KDA layers), the index
-    keys per full-indexer layer, and the KDA recurrent states (conv, recurrent) per linear layer.
-    Block b of layer l is rows [b*bs, (b+1)*bs) of kv_caches[l]; a sequence's state is row state_slot."""
-    attn = set(model_cfg.attention_layers())
-    kv = [torch.zeros(num_slots, model_cfg.kv_cache_dim, dtype=model_cfg.dtype, device=device) if l in attn else None
-          for l in range(model_cfg.num_hidden_layers)]
-    index = {l: torch.zeros(num_slots, model_cfg.index_cache_dim, dtype=model_cfg.dtype, device=device)
-             for l in model_cfg.full_indexer_layers()} if model_cfg.has_indexer else {}
-    conv, rec = state_shapes(model_cfg, num_seqs, tp)
-    states = {l: (torch.zeros(conv, dtype=model_cfg.dtype, device=device),
-                  torch.zeros(rec, dtype=torch.float32, device=device))
-              for l in model_cfg.linear_attention_layers()}
-    return kv, index, states
 
 
 @torch.inference_mode()

@@ -1,6 +1,6 @@
 """One TP rank: device, TP group, kernel backend, model + weights, KV-cache tensors, model runner.
 
-Used in-process (`LocalExecutor`, TP=1) or inside a Ray actor (one per GPU; see worker_group.py).
+Used in-process (`executor.LocalExecutor`, TP=1) or inside a Ray actor (one per GPU; see worker_group.py).
 Start-up stages are named methods so failures say where they happened.
 """
 from __future__ import annotations
@@ -13,18 +13,14 @@ import torch
 from glm_ray import kernels
 from glm_ray.config import EngineConfig, ModelConfig
 from glm_ray.distributed.parallel_state import init_tensor_parallel, tp_rank
-from glm_ray.engine.kv_cache import num_blocks_for_budget, state_bytes
-from glm_ray.engine.scheduler import SchedulerOutput
-from glm_ray.model.glm5_next import Glm5NextForCausalLM
-from glm_ray.model.glm_moe_dsa import GlmMoeDsaForCausalLM
+from glm_ray.engine.contract import ModelRunnerOutput, SchedulerOutput
+from glm_ray.model import MODEL_CLASSES
 from glm_ray.model.loader import init_dummy_weights, load_weights
 from glm_ray.quant import get_quant_config
-from glm_ray.worker.model_runner import ModelRunner, ModelRunnerOutput, profile_activation_bytes
+from glm_ray.worker.cache import num_blocks_for_budget, state_bytes
+from glm_ray.worker.model_runner import ModelRunner, profile_activation_bytes
 
 logger = logging.getLogger(__name__)
-
-MODEL_CLASSES = {"GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM, "Glm4MoeLiteForCausalLM": GlmMoeDsaForCausalLM,
-                 "Glm5NextForConditionalGeneration": Glm5NextForCausalLM}
 
 
 class Worker:
@@ -108,26 +104,3 @@ class Worker:
 
     def ping(self) -> int:
         return self.rank
-
-
-class LocalExecutor:
-    """TP=1 in the calling process (offline LLM, tests, the CPU default)."""
-
-    def __init__(self, cfg: EngineConfig):
-        if cfg.parallel.tensor_parallel_size != 1:
-            raise ValueError("LocalExecutor runs TP=1 only; use the Ray worker group for tensor parallelism")
-        self.worker = Worker(cfg)
-        self.worker.init_device()
-        self.worker.load_model()
-        self.num_blocks = self.worker.determine_num_blocks()
-        self.worker.init_cache(self.num_blocks)
-        self.model_cfg = self.worker.model_cfg
-
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute(step)
-
-    def check_health(self) -> None:
-        return None
-
-    def shutdown(self) -> None:
-        return None

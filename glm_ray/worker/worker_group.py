@@ -24,7 +24,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from glm_ray.config import EngineConfig
-from glm_ray.engine.scheduler import SchedulerOutput
+from glm_ray.engine.contract import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ def test_preempted_request_restarts_its_state(flash_dir, oracle):
     """A KV cache too small for all sequences at once forces preemption: a recomputed request starts
     again from position 0 and must start from a zero KDA state, not from what its new slot holds."""
     from glm_ray.config import ModelConfig
-    from glm_ray.engine.kv_cache import kv_bytes_per_token, state_bytes
+    from glm_ray.worker.cache import kv_bytes_per_token, state_bytes
     cfg = ModelConfig.from_pretrained(flash_dir, "float32")
     budget = state_bytes(cfg, torch.float32, 4, 1) + 96 * kv_bytes_per_token(cfg, torch.float32)   # 6 blocks
     prompts = _prompts((40, 41, 42, 43), seed=3)

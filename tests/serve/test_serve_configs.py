@@ -42,7 +42,7 @@ def test_gpu_memory_utilization_out_of_range_rejected(bad):
 
 def test_cli_and_engine_take_gpu_memory_utilization():
     from glm_ray.cli import build_parser
-    from glm_ray.engine.llm import make_engine_config
+    from glm_ray.config import make_engine_config
     for cmd in ("serve", "generate"):
         assert build_parser().parse_args([cmd, "--gpu-memory-utilization", "0.8"]).gpu_memory_utilization == 0.8
     assert make_engine_config("m", gpu_memory_utilization=0.8).cache.gpu_memory_utilization == 0.8

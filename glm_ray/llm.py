@@ -1,4 +1,4 @@
-"""Offline API in the shape vLLM users know:
+"""Offline API in the shape vLLM users know (above the engine: it builds the executor too):
 
     from glm_ray import LLM, SamplingParams
     llm = LLM("/path/to/model")
@@ -12,46 +12,19 @@ import logging
 
 from tqdm import tqdm
 
-from glm_ray.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from glm_ray.config import make_engine_config
 from glm_ray.engine.engine_core import EngineCore
 from glm_ray.engine.outputs import CompletionOutput, RequestOutput
 from glm_ray.engine.sampling_params import SamplingParams, choice_seed
-from glm_ray.engine.tokenizer import load_tokenizer  # re-exported: callers import it from here
+from glm_ray.engine.tokenizer import load_tokenizer
+from glm_ray.model.tiny import resolve_model
+from glm_ray.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
 
 
-def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str = "auto", device: str = "auto",
-                       load_format: str = "auto", kernel_backend: str = "auto", mla_mode: str = "auto",
-                       max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                       block_size: int = 16, kv_cache_memory_bytes: int | None = None,
-                       gpu_memory_utilization: float = 0.9, max_waiting: int = 4096, seed: int = 0,
-                       fp8_proj_gemm: bool | None = None, fp8_proj_min_tokens: int = 512) -> EngineConfig:
-    if fp8_proj_gemm is None:       # the flag's third spelling: GLM_RAY_FP8_PROJ_GEMM=1
-        import os
-        fp8_proj_gemm = os.environ.get("GLM_RAY_FP8_PROJ_GEMM", "").strip().lower() in ("1", "true", "yes", "on")
-    return EngineConfig(
-        model=model, dtype=dtype, device=device, load_format=load_format, kernel_backend=kernel_backend,
-        mla_mode=mla_mode, seed=seed, fp8_proj_gemm=fp8_proj_gemm, fp8_proj_min_tokens=fp8_proj_min_tokens,
-        cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                          gpu_memory_utilization=gpu_memory_utilization),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_model_len, max_waiting=max_waiting),
-        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
-
-
-def make_executor(cfg: EngineConfig, executor: str = "auto"):
-    """"local" (in-process, TP=1) or "ray" (one worker actor per rank); "auto" = local iff TP=1."""
-    if executor == "local" or (executor == "auto" and cfg.parallel.tensor_parallel_size == 1):
-        from glm_ray.worker.worker import LocalExecutor
-        return LocalExecutor(cfg)
-    from glm_ray.worker.worker_group import RayWorkerGroup
-    return RayWorkerGroup(cfg)
-
-
 class LLM:
     def __init__(self, model: str | None = None, executor: str = "auto", **kwargs):
-        from glm_ray.model.tiny import resolve_model
         model = resolve_model(model)
         self.config = make_engine_config(model, **kwargs)
         self.tokenizer = load_tokenizer(model)
