@@ -17,7 +17,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         help = action.help or ""
-        if ("%(default)" not in help and action.default not in (None, False, argparse.SUPPRESS)
+        if ("%(default)" not in help and action.default is not None and action.default is not False
+                and action.default != argparse.SUPPRESS
                 and (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
             help += " (default: %(default)s)"
         return help

@@ -4,6 +4,7 @@ are an error); and `serve deploy` of deploy/serve_config.yaml reached RUNNING an
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from pathlib import Path
 
@@ -38,6 +39,93 @@ def test_unknown_app_arg_rejected():
 def test_gpu_memory_utilization_out_of_range_rejected(bad):
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         ServeArgs.from_dict({"model": "tiny", "gpu_memory_utilization": bad})
+
+
+@pytest.mark.parametrize("args,want", [
+    ({"tp": "2"}, {"tp": 2}), ({"tp": " 3 "}, {"tp": 3}), ({"tp": 4}, {"tp": 4}),
+    ({"fp8_proj_gemm": "true"}, {"fp8_proj_gemm": True}), ({"fp8_proj_gemm": "0"}, {"fp8_proj_gemm": False}),
+    ({"fp8_proj_gemm": "Off"}, {"fp8_proj_gemm": False}), ({"fp8_proj_gemm": True}, {"fp8_proj_gemm": True}),
+    ({"gpu_memory_utilization": "0.5"}, {"gpu_memory_utilization": 0.5}),
+    ({"gpu_memory_utilization": 1}, {"gpu_memory_utilization": 1.0}),
+    ({"max_model_len": "none"}, {"max_model_len": None}), ({"max_model_len": "4096"}, {"max_model_len": 4096}),
+    ({"kv_cache_memory_gb": "null"}, {"kv_cache_memory_gb": None}), ({"router_cpus": "1"}, {"router_cpus": 1.0}),
+    ({"served_model_name": "none"}, {"served_model_name": None}), ({"model": "/models/GLM-5"}, {"model": "/models/GLM-5"}),
+])
+def test_serve_run_string_forms_parse_by_field_type(args, want):
+    """`serve run glm_ray.serve.app:build_app tp=2` passes every value as a string."""
+    a = ServeArgs.from_dict(args)
+    assert {k: getattr(a, k) for k in want} == want
+    assert all(type(getattr(a, k)) is type(v) for k, v in want.items())
+
+
+@pytest.mark.parametrize("args,name", [
+    ({"tp": "abc"}, "tp"), ({"tp": "1.5"}, "tp"), ({"tp": 1.5}, "tp"), ({"tp": True}, "tp"), ({"tp": None}, "tp"),
+    ({"tp": "0"}, "tp"), ({"fp8_proj_gemm": "maybe"}, "fp8_proj_gemm"), ({"fp8_proj_gemm": 1}, "fp8_proj_gemm"),
+    ({"gpu_memory_utilization": "lots"}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": "nan"}, "gpu_memory_utilization"),
+    ({"kv_cache_memory_gb": "-1"}, "kv_cache_memory_gb"), ({"max_num_seqs": "0"}, "max_num_seqs"),
+    ({"device": "tpu"}, "device"), ({"dtype": "fp8"}, "dtype"), ({"load_format": "lazy"}, "load_format"),
+    ({"kernel_backend": "triton"}, "kernel_backend"), ({"model": 7}, "model"), ({"model": ""}, "model"),
+    ({"max_queued_requests": "-1"}, "max_queued_requests"), ({"ingress_replicas": "0"}, "ingress_replicas"),
+    ({"trust_request_chat_template": "sure"}, "trust_request_chat_template"),
+])
+def test_bad_app_argument_names_it(args, name):
+    with pytest.raises(ValueError, match=rf"argument {name}\b"):
+        ServeArgs.from_dict(args)
+
+
+def test_api_key_from_arg_or_env_and_never_shown(monkeypatch):
+    monkeypatch.delenv("GLM_RAY_API_KEY", raising=False)
+    assert ServeArgs.from_dict({}).api_key is None
+    a = ServeArgs.from_dict({"api_key": "s3cret-key"})
+    assert a.api_key == "s3cret-key" and a.to_dict()["api_key"] == "s3cret-key"   # Router/ingress get it
+    assert ServeArgs.from_dict(a.to_dict()) == a                                   # the round trip they do
+    assert "s3cret-key" not in repr(a) and "s3cret-key" not in str(a.to_log_dict())
+    monkeypatch.setenv("GLM_RAY_API_KEY", "from-env")
+    assert ServeArgs.from_dict({}).api_key == "from-env"                          # as VLLM_API_KEY
+    assert ServeArgs.from_dict({"api_key": "explicit"}).api_key == "explicit"
+    assert "from-env" not in repr(ServeArgs.from_dict({}))
+
+
+def test_trust_request_chat_template_defaults_off():
+    assert ServeArgs.from_dict({}).trust_request_chat_template is False
+    assert ServeArgs.from_dict({"trust_request_chat_template": "true"}).trust_request_chat_template is True
+
+
+def test_cli_serve_flags_become_app_args(monkeypatch):
+    from glm_ray.cli import build_parser, serve_app_args
+    monkeypatch.delenv("GLM_RAY_API_KEY", raising=False)
+    a = build_parser().parse_args(["serve", "--api-key", "k", "--trust-request-chat-template", "--max-num-seqs", "8"])
+    args = serve_app_args(a)
+    assert (args["api_key"], args["trust_request_chat_template"], args["max_num_seqs"]) == ("k", True, 8)
+    plain = serve_app_args(build_parser().parse_args(["serve"]))
+    assert "api_key" not in plain and "trust_request_chat_template" not in plain
+    sa = ServeArgs.from_dict(plain)
+    assert sa.model_name() == "glm5-tiny" and sa.api_key is None
+    a = build_parser().parse_args(["serve"])
+    assert (a.host, a.ray_node_ip, a.port, a.metrics_port) == ("127.0.0.1", "127.0.0.1", 8000, 8080)
+
+
+def test_cli_version_and_help(capsys):
+    import glm_ray
+    from glm_ray.cli import build_parser
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"glm-ray {glm_ray.__version__}"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    assert "quantize" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--max-num-seqs", "64"), ("--host", "127.0.0.1"), ("--port", "8000"),
+                          ("--kernel-backend", "auto"), ("--fp8-proj-min-tokens", "512"),
+                          ("--ray-node-ip", "127.0.0.1")):
+        assert re.search(re.escape(flag) + r" \S+ .*?\(default: " + re.escape(default) + r"\)", out), flag
+    assert "--num-cpus" in out and "--api-key" in out and "--trust-request-chat-template" in out
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["make-tiny", "--help"])
+    assert "(default: 0)" in " ".join(capsys.readouterr().out.split())       # --seed
 
 
 def test_cli_and_engine_take_gpu_memory_utilization():
