@@ -1,9 +1,10 @@
 """Kernel backends behind one registry, resolved once at start-up.
 
-Model and quant code call `kernels.ops().<op>(...)`; they never ask which device or vendor they
-run on. A backend is a `KernelOps` table; `torch` (pure PyTorch, CPU or GPU) is complete and is the
-oracle every other backend is tested against. `cuda` (Hopper) and `aiter` (gfx950) override what
-they accelerate and inherit the rest. `auto` picks by device/arch and is logged once.
+Model, layer and quant code call `kernels.ops().<op>(...)`; they never ask which device or vendor
+they run on (nor import `torch_ref` directly). A backend is a `KernelOps` table; `torch` (pure
+PyTorch, CPU or GPU) is complete and is the oracle every other backend is tested against. `cuda`
+(Hopper) and `aiter` (gfx950) override what they accelerate and inherit the rest. `auto` picks by
+device/arch and is logged once.
 """
 from __future__ import annotations
 
@@ -43,7 +44,44 @@ class KernelOps:
     mhc_coefficients: Callable | None = None
     # KDA decode step against the state cache (GLM-5.3-Flash): (q, k, g [B, H, dk], v [B, H, dv], beta [B, H],
     # state [S, H, dk, dv] fp32 updated in place at slots [B], fresh [B] bool) -> o [B, H, dv]
+    # (the recurrent form; there is no separate `kda_recurrent` op: decode is its only caller)
     kda_decode: Callable | None = None
+    # --- attention, indexer, linear attention (references: kernels/torch_ref/{attention,indexer,kda}.py) ---
+    # Common to the group ops: `group` is one `AttnGroup` of the step (forward_batch.py): q_index /
+    # q_valid [B, Qmax] (queries gathered from the step's packed rows T), kv_slots [B, Kmax] (flat cache
+    # slot of every context position; block = slot // block_size), causal [B, Qmax, Kmax]. Row inputs are
+    # [T, ...] for the whole step (the op reads its group's rows); outputs are the group's rows [Tg, ...]
+    # in q_valid order (= group.token_index). `selection`: None = dense causal, else a bool mask
+    # [B, Qmax, Kmax] (DSA selection AND causal). `max_bytes` bounds the op's transient memory (the
+    # reference walks key / query tiles above it; a kernel that needs no workspace ignores it).
+    #
+    # MLA naive (expanded) form, prefill groups: (q [T, h, dn+dr] nope|roped, kv_cache [S, r+dr] latent
+    # rows [c | k_pe], group, selection, kv_b: latents [N, r] -> [N, h*(dn+dv)] (the layer's kv_b_proj,
+    # any quant method), *, kv_lora_rank r, v_head_dim dv, scale, max_bytes) -> o [Tg, h, dv]
+    mla_prefill: Callable | None = None
+    # MLA absorbed form (latent MQA, one KV head = the cache row, value = its first r dims), decode
+    # groups (any group when mla_mode forces it, so Qmax may exceed 1): (q [T, h, r+dr] W_UK-absorbed |
+    # roped, kv_cache [S, r+dr], group, selection, *, kv_lora_rank r, scale, max_bytes) -> o_lat [Tg, h, r]
+    # (the layer unfolds W_UV). A paged kernel reads the cache rows through group.kv_slots (a page table
+    # of page size 1; AttnGroup has no block table or device context lengths yet) and the selection.
+    mla_decode: Callable | None = None
+    # DSA lightning indexer scoring + top-k (GLM-5): (qi [T, Hi, di] fp32, w [T, Hi] fp32 head weights,
+    # key_cache [S, di], group, topk, *, max_bytes) -> selection [B, Qmax, Kmax] bool (top-k AND causal)
+    indexer_topk: Callable | None = None
+    # k-pool indexer (GLM-5.3-Flash): (qi [T, Hi, di] fp32, w [T, Hi] fp32, key_cache [S, 2di] rows [ki | gi],
+    # group, ape [kpool, di] fp32, *, kpool, pool_topk, tail, max_bytes) -> selection [B, Qmax, Kmax] bool
+    indexer_kpool_topk: Callable | None = None
+    # KDA short conv against the conv-state cache: (x [B, L, C] padded group view, weight [C, K] fp32,
+    # lengths [B], conv_state [S, K-1, C] updated in place at slots [B], fresh [B] bool) -> y [B, L, C]
+    # (depthwise causal conv + SiLU; rows past lengths are garbage)
+    causal_conv1d: Callable | None = None
+    # KDA chunked form against the state cache: (q, k, g [B, L, H, dk], v [B, L, H, dv], beta [B, L, H]
+    # (padding rows k = v = g = beta = 0), state [S, H, dk, dv] fp32 updated in place at slots [B], fresh [B]
+    # bool) -> o [B, L, H, dv]
+    kda_chunked: Callable | None = None
+    # SwiGLU activation: (gate [..., I], up [..., I], limit float | None) -> silu(gate) * up, or the clamped
+    # form silu(min(gate, L)) * clamp(up, -L, L) (dense MLP / shared experts; the MoE ops apply their own)
+    swiglu: Callable | None = None
 
 
 _REGISTRY: dict[str, Callable[[], KernelOps]] = {}
@@ -60,13 +98,17 @@ def register(name: str):
 def _torch_ops() -> KernelOps:
     from glm_ray.kernels.torch_ref import block_fp8_linear, fused_moe
     from glm_ray.kernels.torch_ref import quant_ops as q
-    from glm_ray.kernels.torch_ref.kda import kda_decode
+    from glm_ray.kernels.torch_ref import attention, indexer, kda
     from glm_ray.kernels.torch_ref.mhc import mhc_coefficients
+    from glm_ray.kernels.torch_ref.moe import swiglu
     return KernelOps(name="torch", block_fp8_linear=block_fp8_linear, fused_moe=fused_moe,
                      block_fp8_linear_prepare=q.block_fp8_linear_prepare, moe_quant_layout=q.moe_quant_layout,
                      moe_quant_prepare=q.moe_quant_prepare, fused_moe_block_fp8=q.fused_moe_block_fp8,
                      fused_moe_mxfp4=q.fused_moe_mxfp4, mxfp4_linear=q.mxfp4_linear,
-                     mhc_coefficients=mhc_coefficients, kda_decode=kda_decode)
+                     mhc_coefficients=mhc_coefficients, kda_decode=kda.kda_decode,
+                     mla_prefill=attention.mla_prefill, mla_decode=attention.mla_decode,
+                     indexer_topk=indexer.indexer_topk, indexer_kpool_topk=indexer.indexer_kpool_topk,
+                     causal_conv1d=kda.causal_conv1d_cached, kda_chunked=kda.kda_chunked_cached, swiglu=swiglu)
 
 
 def _aiter_ops() -> KernelOps:

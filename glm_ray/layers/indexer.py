@@ -4,7 +4,8 @@ Keys `ki = LayerNorm(wk(x))` are cached per token (its own cache, one per *full*
 Score I[s,t] = sum_h w[s,h] * relu(qi[s,h] . ki[t] / sqrt(di)), w = weights_proj(x) / sqrt(Hi) (fp32).
 RoPE is applied to the first `qk_rope_head_dim` dims (rope FIRST here; MLA puts rope last).
 `write_keys` caches every new token's key; `queries` computes the index queries of a step once per
-layer; `select` returns, per attention group, a boolean mask [B, Qmax, Kmax] (selected AND causal).
+layer; `select` returns, per attention group, a boolean mask [B, Qmax, Kmax] (selected AND causal):
+the scoring + top-k is the kernel op `indexer_topk`.
 While a group's contexts fit in `index_topk` the caller skips `select` (selection = dense causal).
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from glm_ray import kernels
 from glm_ray.config import ModelConfig
 from glm_ray.layers.linear import ReplicatedLinear
 from glm_ray.layers.norm import LayerNorm
@@ -19,6 +21,7 @@ from glm_ray.layers.rotary import RopeCache, apply_rope
 from glm_ray.forward_batch import AttnGroup, ForwardBatch
 
 
+# Bound on one scoring tile (per-head scores, gathered keys) of the selection, passed to the kernel op
 _SCORE_BYTES = 256 * 2**20
 
 
@@ -59,34 +62,7 @@ class Indexer(nn.Module):
 
     def select(self, group: AttnGroup, queries: tuple[torch.Tensor, torch.Tensor],
                key_cache: torch.Tensor) -> torch.Tensor:
-        """Top-k selection mask [B, Qmax, Kmax] (selected AND causal) of one attention group.
-
-        The per-head ReLU scores [B, q, Hi, k] fp32 are the big tensor (GLM-5: 32 heads x 8k keys =
-        1 MiB per query row), and the gathered keys [B, Kmax, di] fp32 grow with the group's contexts:
-        both are tiled — queries into chunks, and keys into chunks whose top-k are merged — so each
-        tile stays within _SCORE_BYTES. Loops over tiles, not tokens; one tile in the common case.
-        """
+        """Top-k selection mask [B, Qmax, Kmax] (selected AND causal) of one attention group: the
+        `indexer_topk` kernel op (scores and keys tiled within _SCORE_BYTES)."""
         qi, w = queries
-        Q, W = qi[group.q_index], w[group.q_index]                              # [B, Qmax, Hi, di], [B, Qmax, Hi]
-        B, Qmax, Kmax = group.causal.shape
-        k = min(self.topk, Kmax)
-        kc = max(k, min(Kmax, _SCORE_BYTES // (B * self.head_dim * 4)))       # keys per tile
-        qc = max(1, _SCORE_BYTES // (B * self.n_heads * kc * 4))              # queries per tile
-        selected = torch.zeros_like(group.causal)
-        for q0 in range(0, Qmax, qc):
-            sl = slice(q0, q0 + qc)
-            best_v = best_i = None
-            for k0 in range(0, Kmax, kc):
-                ks = slice(k0, k0 + kc)
-                K = key_cache[group.kv_slots[:, ks]].float()                    # [B, n, di]
-                s = torch.einsum("bqhd,bkd->bqhk", Q[:, sl], K).mul_(self.head_dim ** -0.5).relu_()   # [B, q, Hi, n]
-                scores = torch.einsum("bqh,bqhk->bqk", W[:, sl], s)             # [B, q, n]
-                scores.masked_fill_(~group.causal[:, sl, ks], float("-inf"))
-                v, i = scores.topk(min(k, scores.shape[-1]), dim=-1)            # [B, q, <=k]
-                i = i + k0
-                if best_v is not None:                                          # merge with earlier tiles
-                    v, j = torch.cat([best_v, v], -1).topk(k, dim=-1)
-                    i = torch.cat([best_i, i], -1).gather(-1, j)
-                best_v, best_i = v, i
-            selected[:, sl].scatter_(-1, best_i, True)
-        return selected & group.causal
+        return kernels.ops().indexer_topk(qi, w, key_cache, group, self.topk, max_bytes=_SCORE_BYTES)

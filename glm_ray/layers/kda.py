@@ -5,7 +5,7 @@ tokens with per-sequence fixed-size state caches.
     g       = lb * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias))           (lower bound lb; else
               -exp(A_log) * softplus(...))                                  per-channel log-decay [T, h, dk]
     beta    = sigmoid(b_proj(x))                                            [T, h]
-    o       = KDA(q, k, v, g, beta)  (kernels/torch_ref/kda.py)             [T, h, dv]
+    o       = KDA(q, k, v, g, beta)  (ops kda_chunked / kda_decode)         [T, h, dv]
     out     = o_proj(RMSNorm(o) * weight * sigmoid(g_b(g_a(x))))            gated RMSNorm per head
 
 State caches (allocated by the model runner, indexed by `AttnGroup.state_slots`):
@@ -22,7 +22,6 @@ from torch import nn
 from glm_ray.config import ModelConfig
 from glm_ray.distributed.parallel_state import tp_rank
 from glm_ray import kernels
-from glm_ray.kernels.torch_ref.kda import causal_conv1d, kda_chunked
 from glm_ray.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.weights import load_sharded, set_weight_attrs
 from glm_ray.forward_batch import AttnGroup, ForwardBatch
@@ -129,20 +128,18 @@ class KimiDeltaAttention(nn.Module):
         B, Q = grp.q_index.shape
         h, dk = self.h, self.dk
         slots, fresh, valid = grp.state_slots, grp.state_fresh, grp.q_valid   # [B], [B], [B, Q]
-        cs0 = torch.where(fresh[:, None, None], 0, conv_state[slots])         # [B, K-1, 3·h·dk]
-        y, cs1 = causal_conv1d(mixed[grp.q_index], cs0, w, valid.sum(1))      # [B, Q, 3·h·dk]
+        ops = kernels.ops()
+        # kernel ops against the state caches: read the rows at the slots (zero where fresh), write
+        # the new states back in place
+        y = ops.causal_conv1d(mixed[grp.q_index], w, valid.sum(1), conv_state, slots, fresh)   # [B, Q, 3·h·dk]
         q, k, v = y.view(B, Q, 3, h, dk).unbind(2)                            # [B, Q, h, dk] each
         keep = valid[..., None, None]                                         # [B, Q, 1, 1]
         k, v = k * keep, v * keep                                             # padding: k = v = 0
         gg = g[grp.q_index] * keep                                            # [B, Q, h, dk], padding 0
         bb = beta[grp.q_index] * valid[..., None]                             # [B, Q, h], padding 0
-        if Q == 1:                                                            # decode
-            # one kernel op: read the state at the slots, one delta-rule step, write it back in place
-            out = kernels.ops().kda_decode(q[:, 0], k[:, 0], v[:, 0], gg[:, 0], bb[:, 0], rec_state, slots,
-                                           fresh)[:, None]                    # [B, 1, h, dv]
-        else:
-            rs0 = torch.where(fresh[:, None, None, None], 0, rec_state[slots])    # [B, h, dk, dv]
-            out, rs1 = kda_chunked(q, k, v, gg, bb, rs0)                      # [B, Q, h, dv]
-            rec_state.index_copy_(0, slots, rs1.to(rec_state.dtype))
-        conv_state.index_copy_(0, slots, cs1.to(conv_state.dtype))
+        if Q == 1:                                                            # decode: one delta-rule step
+            out = ops.kda_decode(q[:, 0], k[:, 0], v[:, 0], gg[:, 0], bb[:, 0], rec_state, slots,
+                                 fresh)[:, None]                              # [B, 1, h, dv]
+        else:                                                                 # prefill: chunked form
+            out = ops.kda_chunked(q, k, v, gg, bb, rec_state, slots, fresh)   # [B, Q, h, dv]
         return out[valid]                                                     # [Tg, h, dv]

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glm_ray import kernels
 from glm_ray.config import ModelConfig
 from glm_ray.layers.indexer import Indexer
 from glm_ray.layers.rotary import RopeCache
@@ -35,6 +36,7 @@ from glm_ray.weights import load_sharded, set_weight_attrs
 from glm_ray.forward_batch import AttnGroup, ForwardBatch
 
 
+# Bound on one scoring tile of the selection, passed to the kernel op
 _SCORE_BYTES = 256 * 2**20
 
 
@@ -73,54 +75,11 @@ class KPoolIndexer(Indexer):
         gi = F.linear(x, self.index_kpool_compress_gate.to(x.dtype))          # [T, di]
         key_cache.index_copy_(0, batch.slot_mapping, torch.cat([ki, gi], -1).to(key_cache.dtype))
 
-    def _pool_keys(self, slots: torch.Tensor, key_cache: torch.Tensor) -> torch.Tensor:
-        """Pool keys [B, n, di] fp32 of the pools whose token slots are `slots` [B, n*kp]."""
-        B, di, kp = slots.shape[0], self.head_dim, self.kpool
-        rows = key_cache[slots].float().view(B, -1, kp, 2 * di)               # [B, n, kp, 2di]
-        keys, gates = rows[..., :di], rows[..., di:]
-        prob = (gates + self.index_kpool_compress_ape.float()).softmax(dim=2)  # over the kp tokens
-        return prob.mul_(keys).sum(dim=2)
-
     def select(self, group: AttnGroup, queries: tuple[torch.Tensor, torch.Tensor],
                key_cache: torch.Tensor) -> torch.Tensor:
-        """Selection mask [B, Qmax, Kmax] (selected pools' tokens ∪ tail, AND causal) of one group.
-
-        Pools are tiled (each tile: gather its tokens' cache rows, pool them, score them) and their
-        top-k merged; within a pool tile the queries are tiled so that the per-head ReLU scores
-        [B, q, Hi, n] fp32 stay within _SCORE_BYTES. One tile of each in the common case.
-        """
+        """Selection mask [B, Qmax, Kmax] (selected pools' tokens ∪ tail, AND causal) of one group: the
+        `indexer_kpool_topk` kernel op (pool and query tiles of at most _SCORE_BYTES of scores)."""
         qi, w = queries
-        Q, W = qi[group.q_index], w[group.q_index]                              # [B, Qmax, Hi, di], [B, Qmax, Hi]
-        causal = group.causal
-        B, Qmax, Kmax = causal.shape
-        kp, P = self.kpool, Kmax // self.kpool                                  # complete pools in the longest context
-        # pool p is a candidate iff its last token is causal-visible (key valid => pool complete)
-        cand = causal[:, :, kp - 1::kp]                                         # [B, Qmax, P]
-        k = min(self.pool_topk, P)
-        picked = torch.zeros(B, Qmax, P + 1, dtype=torch.bool, device=causal.device)   # col P: discard
-        if k > 0:
-            pc = max(k, min(P, _SCORE_BYTES // (B * kp * 2 * self.head_dim * 4)))   # pools per tile
-            qc = max(1, _SCORE_BYTES // (B * self.n_heads * pc * 4))                 # queries per tile
-            best_v = torch.full((B, Qmax, k), float("-inf"), device=causal.device)
-            best_i = torch.full((B, Qmax, k), P, dtype=torch.int64, device=causal.device)
-            for p0 in range(0, P, pc):
-                p1 = min(P, p0 + pc)
-                pk = self._pool_keys(group.kv_slots[:, p0 * kp:p1 * kp], key_cache)   # [B, n, di]
-                for q0 in range(0, Qmax, qc):
-                    sl = slice(q0, q0 + qc)
-                    s = torch.einsum("bqhd,bpd->bqhp", Q[:, sl], pk).mul_(self.head_dim ** -0.5).relu_()
-                    scores = torch.einsum("bqh,bqhp->bqp", W[:, sl], s)           # [B, q, n]
-                    # masked_fill also clears NaN/inf of never-written cache rows (non-candidates)
-                    scores.masked_fill_(~cand[:, sl, p0:p1], float("-inf"))
-                    v = torch.cat([best_v[:, sl], scores], -1)
-                    i = torch.cat([best_i[:, sl], torch.arange(p0, p1, device=causal.device).expand_as(scores)], -1)
-                    v, j = v.topk(k, dim=-1)
-                    best_v[:, sl], best_i[:, sl] = v, i.gather(-1, j)
-            # a -inf pick is no candidate (fewer than k exist): send it to the discard column
-            picked.scatter_(-1, best_i.masked_fill(best_v == float("-inf"), P), True)
-        keep = picked[..., :P]
-        if self.tail:
-            keep = keep | ~cand                                                 # the query's incomplete pool
-        mask = torch.full_like(causal, self.tail)                               # positions past the last full pool: tail
-        mask[..., :P * kp] = keep.repeat_interleave(kp, dim=-1)
-        return mask & causal
+        return kernels.ops().indexer_kpool_topk(qi, w, key_cache, group, self.index_kpool_compress_ape,
+                                                kpool=self.kpool, pool_topk=self.pool_topk, tail=self.tail,
+                                                max_bytes=_SCORE_BYTES)

@@ -12,8 +12,8 @@ Per token, with `fn [(2+n)n, n·D]`, `base [(2+n)n]`, `scale [3]` (fp32; checkpo
     input = Σ_i pre_i·stream_i ;  new_stream_j = post_j·y + Σ_i comb_ij·stream_i
 
 Sinkhorn: one column normalisation, then (iters-1) × (row, column). The coefficients (sigmoids,
-softmax, Sinkhorn) are the kernel op `mhc_coefficients` (torch reference: kernels/torch_ref/mhc.py;
-one Triton launch on the cuda backend); the projection and the collapse / expand are torch here.
+softmax, Sinkhorn) are the kernel op `mhc_coefficients` (a torch reference; one Triton launch on
+the cuda backend); the projection and the collapse / expand are torch here.
 """
 from __future__ import annotations
 

@@ -8,16 +8,17 @@ latent and the roped shared key — identical on every TP rank. Two equivalent f
   as MQA with one KV head of dim r+dr (value = c).
 
 Attention runs once per `AttnGroup` of the batch (decode group: absorbed; prefill group: naive, under
-mla_mode "auto"). Sparse attention (DSA) is a boolean mask from the indexer ANDed with the causal
-mask, one per group; "shared" layers (IndexShare) reuse the previous full layer's masks.
+mla_mode "auto") as a kernel op: `mla_decode` (latent attention; the W_UK / W_UV folds are here) and
+`mla_prefill` (given kv_b_proj to expand the latents). Sparse attention (DSA) is a selection from the
+indexer, one per group: None (dense causal, while every context fits in index_topk) or a boolean mask
+ANDed with the causal mask; "shared" layers (IndexShare) reuse the previous full layer's selections.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from glm_ray import kernels
 from glm_ray.config import ModelConfig
 from glm_ray.layers.indexer import Indexer
 from glm_ray.layers.kpool_indexer import KPoolIndexer
@@ -27,9 +28,8 @@ from glm_ray.layers.rotary import RopeCache, apply_rope
 from glm_ray.forward_batch import AttnGroup, ForwardBatch
 
 
-_CUDA_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# Bound on the transient gathered / expanded context of one attention call; above it the context is
-# processed in key chunks (`_online_softmax`).
+# Bound on the transient gathered / expanded context of one attention call, passed to the kernel ops
+# as `max_bytes`; above it the torch reference processes the context in key chunks (online softmax).
 _ATTN_BYTES = 1 << 30
 
 
@@ -77,7 +77,8 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeCache | None,
                 kv_cache: torch.Tensor, index_cache: torch.Tensor | None,
-                prev_mask: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+                prev_mask: tuple[torch.Tensor | None, ...] | None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...] | None]:
         T = x.shape[0]
         if hasattr(self, "q_a_proj"):
             q_resid = self.q_a_layernorm(self.q_a_proj(x))                      # [T, rq]
@@ -94,105 +95,36 @@ class MLAAttention(nn.Module):
             self.indexer.write_keys(x, batch, rope, index_cache)
 
         o = q_nope.new_empty(T, self.h, self.dv)                                # [T, h, dv]
-        masks = []
+        selections = []
         iq = None                                                               # index queries, when needed
         for gi, g in enumerate(batch.groups):                                   # decode groups, prefill buckets
-            mask = g.causal                                                     # [B, Qmax, Kmax]
+            sel = None                                                          # None: dense causal
             if self.indexer is not None:
                 # while every context fits in index_topk, selection = dense causal (no scoring)
                 if g.max_context_len > self.indexer.topk:
                     iq = iq if iq is not None else self.indexer.queries(x, q_resid, rope)
-                    mask = self.indexer.select(g, iq, index_cache)
+                    sel = self.indexer.select(g, iq, index_cache)               # [B, Qmax, Kmax]
             elif self.uses_dsa and prev_mask is not None:
-                mask = prev_mask[gi]
-            masks.append(mask)
+                sel = prev_mask[gi]
+            selections.append(sel)
             attend = self._naive if g.mla_mode == "naive" else self._absorbed
-            o.index_copy_(0, g.token_index, attend(q_nope, q_pe, kv_cache, mask, g))   # [Tg, h, dv] rows
-        return self.o_proj(o.reshape(T, self.h * self.dv)), (tuple(masks) if self.uses_dsa else None)
+            o.index_copy_(0, g.token_index, attend(q_nope, q_pe, kv_cache, sel, g))   # [Tg, h, dv] rows
+        return self.o_proj(o.reshape(T, self.h * self.dv)), (tuple(selections) if self.uses_dsa else None)
 
     def _rope(self, x: torch.Tensor, rope: RopeCache | None) -> torch.Tensor:
         return x if self.dr == 0 else apply_rope(x, rope, self.interleave)     # NoPE (GLM-5.3-Flash): dr = 0
 
-    def _sdpa(self, q, k, v, mask, **kw):
-        # q [B, Hq, Q, d], k/v [B, Hq|1, Kmax, d], mask [B, 1, Q, Kmax] bool
-        # NOTE: padded query rows have an all-False mask; let them see everything (their output is dropped)
-        m = mask | ~mask.any(-1, keepdim=True)
-        if q.device.type != "cuda":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=self.scale, **kw)
-        # NOTE: cuDNN SDPA builds a new graph for every new (Qmax, Kmax) — i.e. every decode step
-        # (~14 ms host time each, measured on H200). Masked attention goes to mem-efficient/math.
-        with sdpa_kernel(_CUDA_SDPA_BACKENDS):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=self.scale, **kw)
+    def _naive(self, q_nope, q_pe, kv_cache, selection, group: AttnGroup):
+        """Expand the context latents to per-head K/V with kv_b_proj and run MHA (prefill): the
+        `mla_prefill` kernel op."""
+        return kernels.ops().mla_prefill(torch.cat([q_nope, q_pe], -1), kv_cache, group, selection, self.kv_b_proj,
+                                         kv_lora_rank=self.r, v_head_dim=self.dv, scale=self.scale,
+                                         max_bytes=_ATTN_BYTES)                 # [Tg, h, dv]
 
-    def _naive(self, q_nope, q_pe, kv_cache, mask, batch: AttnGroup):
-        """Expand the context latents to per-head K/V with kv_b_proj and run MHA (prefill)."""
-        B, K = batch.kv_slots.shape
-        q = torch.cat([q_nope, q_pe], -1)[batch.q_index]                        # [B, Qmax, h, dn+dr]
-
-        def expand(c):                                                          # [B, n, r+dr] -> K, V
-            n = c.shape[1]
-            kv = self.kv_b_proj(c[..., :self.r].reshape(B * n, self.r)).view(B, n, self.h, self.dn + self.dv)
-            k = torch.cat([kv[..., :self.dn], c[..., None, self.r:].expand(B, n, self.h, self.dr)], -1)
-            return k, kv[..., self.dn:]                                         # [B, n, h, dn+dr], [B, n, h, dv]
-
-        per_key = B * self.h * (2 * self.dn + self.dr + self.dv) * kv_cache.element_size()
-        if K * per_key > _ATTN_BYTES:                                           # long cached context
-            o = self._online_softmax(q, lambda k0, k1: expand(kv_cache[batch.kv_slots[:, k0:k1]]), mask, K,
-                                     per_key + B * self.h * self.dv * 4)
-        else:
-            k, v = expand(kv_cache[batch.kv_slots])                             # [B, K, h, *]
-            o = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None]).transpose(1, 2)
-        return o[batch.q_valid]                                                 # [Tg, h, dv]
-
-    def _absorbed(self, q_nope, q_pe, kv_cache, mask, batch: AttnGroup):
+    def _absorbed(self, q_nope, q_pe, kv_cache, selection, group: AttnGroup):
         """Fold W_UK into the query, attend in latent space against the one shared latent KV head
-        (MQA), unfold W_UV from the output (decode)."""
+        (MQA: the `mla_decode` kernel op), unfold W_UV from the output (decode)."""
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_kc.to(q_nope.dtype)).transpose(0, 1)   # [T, h, r]
-        q = torch.cat([q_lat, q_pe], -1)[batch.q_index]                         # [B, Qmax, h, r+dr]
-        B, Qm, h, D = q.shape
-        K = batch.kv_slots.shape[1]
-        per_key = B * (D * kv_cache.element_size() + Qm * h * 2)                # gathered latents + bf16 bias
-        if K * per_key > _ATTN_BYTES:                                           # many long contexts
-            def latents(k0, k1):
-                c = kv_cache[batch.kv_slots[:, k0:k1]]                          # [B, n, r+dr] shared by heads
-                return c, c[..., :self.r]
-            o_lat = self._online_softmax(q, latents, mask, K, B * D * (kv_cache.element_size() + 4))
-        else:
-            # NOTE: fold the heads into query rows ([B, 1, Qmax*h, D] against [B, 1, Kmax, D]) instead
-            # of enable_gqa, which the math backend serves by copying K/V per head ([B, h, Kmax, r+dr]:
-            # 5.9 GiB at 64 decodes x 1.1k context on the H200).
-            kv = kv_cache[batch.kv_slots][:, None]                              # [B, 1, Kmax, r+dr]
-            m = mask[:, :, None, :].expand(B, Qm, h, K).reshape(B, 1, Qm * h, K)   # [B, 1, Qmax*h, Kmax]
-            o_lat = self._sdpa(q.reshape(B, 1, Qm * h, D), kv, kv[..., :self.r], m).reshape(B, Qm, h, self.r)
-        o_lat = o_lat[batch.q_valid]                                            # [Tg, h, r]
+        o_lat = kernels.ops().mla_decode(torch.cat([q_lat, q_pe], -1), kv_cache, group, selection,
+                                         kv_lora_rank=self.r, scale=self.scale, max_bytes=_ATTN_BYTES)   # [Tg, h, r]
         return torch.bmm(o_lat.transpose(0, 1), self.w_vc.to(o_lat.dtype)).transpose(0, 1)     # [Tg, h, dv]
-
-    def _online_softmax(self, q, kv_chunk, mask, K: int, bytes_per_key: int) -> torch.Tensor:
-        """Attention over key chunks with an online softmax (fp32 running max / sum / output), so the
-        gathered (and, for naive MLA, expanded) context and the chunk's scores stay within
-        `_ATTN_BYTES`: GLM-5 naive MLA at TP1 expands ~90 KB per context token (11.8 GB at 128k).
-        A loop over key chunks, not tokens; taken only when the one-shot form would exceed the bound.
-
-        q [B, Qm, H, D]; kv_chunk(k0, k1) -> K [B, n, H, D] and V [B, n, H, Dv] per head, or
-        [B, n, D] / [B, n, Dv] shared by all heads (MQA); mask [B, Qm, K] -> [B, Qm, H, Dv] (q.dtype).
-        """
-        B, Qm, H, _ = q.shape
-        kc = max(16, _ATTN_BYTES // (bytes_per_key + B * Qm * H * 4 * 3))     # + fp32 scores / probs
-        m = q.new_full((B, Qm, H), float("-inf"), dtype=torch.float32)         # running max
-        l = q.new_zeros((B, Qm, H), dtype=torch.float32)                        # running sum
-        acc = None                                                              # running output
-        for k0 in range(0, K, kc):
-            k, v = kv_chunk(k0, k0 + kc)
-            n = k.shape[1]
-            shared = k.dim() == 3
-            s = torch.einsum("bqhd,bkd->bqhk" if shared else "bqhd,bkhd->bqhk", q, k).float().mul_(self.scale)
-            s.masked_fill_(~mask[:, :, None, k0:k0 + n], float("-inf"))         # [B, Qm, H, n]
-            m_new = torch.maximum(m, s.amax(-1))
-            m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)                # rows with nothing seen yet
-            p = torch.exp(s - m_safe[..., None])
-            corr = torch.exp(m - m_safe)
-            l = l * corr + p.sum(-1)
-            pv = torch.einsum("bqhk,bkd->bqhd" if shared else "bqhk,bkhd->bqhd", p, v.float())
-            acc = pv if acc is None else acc * corr[..., None] + pv
-            m = m_new
-        return (acc / l.clamp_min(1e-30)[..., None]).to(q.dtype)

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glm_ray import kernels
 from glm_ray.config import ModelConfig
 from glm_ray.distributed.parallel_state import all_reduce, tp_rank, tp_size
-from glm_ray.kernels.torch_ref.moe import swiglu
 from glm_ray.layer_contracts import LayerKind, MoEContract
 from glm_ray.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from glm_ray.weights import load_sharded, set_weight_attrs
@@ -102,7 +102,7 @@ class MLP(nn.Module):
     def forward(self, x):
         gu = self.gate_up_proj(x)                                                # [T, 2I/tp]
         g, u = gu.chunk(2, dim=-1)
-        return self.down_proj(swiglu(g, u, self.swiglu_limit))
+        return self.down_proj(kernels.ops().swiglu(g, u, self.swiglu_limit))
 
 
 class MoE(nn.Module):

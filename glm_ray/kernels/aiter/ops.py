@@ -26,6 +26,8 @@ Fused MoE (`fused_moe_block_fp8` / `fused_moe_mxfp4`, §4.1-4.7):
     derivation; to be confirmed on MI355X).
 Dense MXFP4 (shared experts / dense layers of Quark checkpoints): not wired to aiter's a4w4 GEMM yet;
   inherited from the torch reference (correct, slow) — a GPU TODO.
+Attention, indexer, KDA and mHC ops (mla_prefill, mla_decode, indexer_topk, indexer_kpool_topk,
+  causal_conv1d, kda_chunked, kda_decode, mhc_coefficients, swiglu): inherited from the torch reference.
 
   Known numerics differences from the torch reference (documented, measured on GPU later):
   * aiter HIP MXFP4 activation quant uses RoundUp E8M0 scales (aiter#3212); Quark checkpoints

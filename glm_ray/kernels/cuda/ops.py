@@ -18,6 +18,13 @@
 * mxfp4_linear: MXFP4 qdq (Triton) + the Triton W4A16 GEMM in identity dispatch. Reference when: not
   CUDA, sm < 80, K % 32.
 * moe_quant_layout / moe_quant_prepare: inherited from torch (no padding, no re-layout needed).
+* mhc_coefficients: one Triton launch. Reference when: not CUDA, sm < 70, hc_mult not a power of 2.
+* kda_decode: Triton, state updated in place. Reference when: not CUDA, sm < 70, head dim not a power
+  of 2, state not fp32.
+* mla_prefill, mla_decode, indexer_topk, indexer_kpool_topk, causal_conv1d, kda_chunked, swiglu:
+  inherited from torch (masked SDPA over the group's gathered view — pinned to the mem-efficient /
+  math SDPA backends on a GPU by the reference itself —, tiled top-k, chunked KDA); the paged / sparse
+  kernels come next behind the same signatures.
 * Any kernel exception (e.g. a Triton compile error on an untested GPU/Triton pair) marks that op
   broken for the process: logged with its traceback, reference from then on (`_guarded`).
 gate_mode must be "separated" everywhere (the torch contract check raises otherwise).

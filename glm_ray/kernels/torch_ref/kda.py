@@ -22,6 +22,11 @@ different sub-blocks factor through the cumulative decay at the row block's star
 
 Padding contract: trailing rows with k = v = 0, beta = 0, g = 0 leave the state exactly as after the
 last real row (their outputs are meaningless and must be dropped by the caller).
+
+The kernel ops' references run these against the per-sequence state caches (rows read at the
+sequences' slots, zeros where fresh, written back in place): `causal_conv1d_cached` (op
+`causal_conv1d`), `kda_chunked_cached` (op `kda_chunked`) and `kda_decode` (op `kda_decode`, the
+recurrent form).
 """
 from __future__ import annotations
 
@@ -163,4 +168,34 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     s0 = torch.where(fresh[:, None, None, None], 0, state[slots])              # [B, H, dk, dv]
     o, s1 = kda_recurrent(q, k, v, g, beta, s0)
     state.index_copy_(0, slots, s1)
+    return o
+
+
+def causal_conv1d_cached(x: torch.Tensor, weight: torch.Tensor, lengths: torch.Tensor, conv_state: torch.Tensor,
+                         slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """`causal_conv1d` against the conv-state cache (the `causal_conv1d` kernel op's reference).
+
+    x [B, L, C] padded view (rows >= lengths[b] are padding); weight [C, K] fp32; lengths [B] int;
+    conv_state [S, K-1, C], rows `slots` [B] read (as zeros where `fresh` [B]) and overwritten in place
+    with the last K-1 inputs of each sequence. Returns y [B, L, C] in x.dtype (SiLU applied; rows past
+    lengths are garbage).
+    """
+    cs0 = torch.where(fresh[:, None, None], 0, conv_state[slots])              # [B, K-1, C]
+    y, cs1 = causal_conv1d(x, cs0, weight, lengths)
+    conv_state.index_copy_(0, slots, cs1.to(conv_state.dtype))
+    return y
+
+
+def kda_chunked_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """`kda_chunked` against the state cache (the `kda_chunked` kernel op's reference).
+
+    q, k, g [B, L, H, dk]; v [B, L, H, dv]; beta [B, L, H] (padding rows: k = v = g = beta = 0, the
+    padding contract above); state [S, H, dk, dv] fp32, rows `slots` [B] read (as zeros
+    where `fresh` [B]) and overwritten in place with the states after each sequence's last row.
+    Returns o [B, L, H, dv] in q.dtype.
+    """
+    s0 = torch.where(fresh[:, None, None, None], 0, state[slots])              # [B, H, dk, dv]
+    o, s1 = kda_chunked(q, k, v, g, beta, s0)
+    state.index_copy_(0, slots, s1.to(state.dtype))
     return o
