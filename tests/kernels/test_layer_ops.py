@@ -1,0 +1,91 @@
+"""The layers' attention / indexer / KDA / SwiGLU math goes through `kernels.ops()`: the ops exist in the
+torch table, the cuda and aiter backends inherit the references for them, GLM_RAY_TORCH_OPS knows
+their names, and a real engine run of GLM-5 and GLM-5.3-Flash calls each of them through the active
+backend (a spying backend registered for the run)."""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+
+from glm_ray import LLM, SamplingParams, kernels
+from glm_ray.kernels.torch_ref import attention, indexer, kda, moe
+from tests.kernels import fake_aiter
+
+NEW_OPS = {"mla_prefill": attention.mla_prefill, "mla_decode": attention.mla_decode,
+           "indexer_topk": indexer.indexer_topk, "indexer_kpool_topk": indexer.indexer_kpool_topk,
+           "causal_conv1d": kda.causal_conv1d_cached, "kda_chunked": kda.kda_chunked_cached,
+           "kda_decode": kda.kda_decode, "swiglu": moe.swiglu}
+
+
+def test_torch_table_holds_the_references():
+    ops = kernels.init_backend("torch")
+    for name, ref in NEW_OPS.items():
+        assert getattr(ops, name) is ref, name
+
+
+def test_cuda_backend_inherits_the_references(monkeypatch):
+    try:
+        ops = kernels.init_backend("cuda", "cpu")
+        for name, ref in NEW_OPS.items():
+            if name != "kda_decode":                                 # the one the cuda backend overrides
+                assert getattr(ops, name) is ref, name
+        monkeypatch.setenv("GLM_RAY_TORCH_OPS", "kda_decode,mla_decode,indexer_topk")
+        ops = kernels.init_backend("cuda", "cpu")
+        assert ops.kda_decode is kda.kda_decode and ops.mla_decode is attention.mla_decode
+    finally:
+        monkeypatch.delenv("GLM_RAY_TORCH_OPS", raising=False)
+        kernels.init_backend("torch")
+
+
+def test_aiter_backend_inherits_the_references(monkeypatch):
+    fake_aiter.install(monkeypatch)
+    try:
+        ops = kernels.init_backend("aiter")
+        for name, ref in NEW_OPS.items():
+            assert getattr(ops, name) is ref, name
+    finally:
+        kernels.init_backend("torch")
+
+
+@pytest.fixture
+def spy_backend(monkeypatch):
+    """A registered backend 'spy': the torch table with every op counted."""
+    calls: Counter = Counter()
+
+    def wrap(name, fn):
+        def spy(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return spy
+
+    def factory():
+        base = kernels._torch_ops()
+        return dataclasses.replace(base, name="spy", **{n: wrap(n, getattr(base, n)) for n in NEW_OPS})
+    monkeypatch.setitem(kernels._REGISTRY, "spy", factory)
+    yield calls
+    kernels.init_backend("torch")
+
+
+def _run(path, lengths, **kw):
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(10, 1000, (n,), generator=g).tolist()} for n in lengths]
+    llm = LLM(path, dtype="float32", kernel_backend="spy", kv_cache_memory_bytes=32 << 20, **kw)
+    llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+
+
+def test_glm5_layers_call_the_ops(tiny_dir, spy_backend):
+    _run(tiny_dir, (30, 12))                                     # longer than index_topk: DSA scores
+    for name in ("mla_prefill", "mla_decode", "indexer_topk", "swiglu"):
+        assert spy_backend[name] > 0, (name, spy_backend)
+
+
+def test_glm53_flash_layers_call_the_ops(tmp_path, spy_backend):
+    pytest.importorskip("transformers.models.glm5_next")
+    from tests.flash_tiny import write_flash_tiny
+    _run(write_flash_tiny(tmp_path / "flash"), (30, 12))
+    for name in ("mla_prefill", "mla_decode", "indexer_kpool_topk", "causal_conv1d", "kda_chunked", "kda_decode",
+                 "swiglu"):
+        assert spy_backend[name] > 0, (name, spy_backend)
