@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from glm_ray.bench import metrics, report
+
 DEFAULT_CONCURRENCIES = (4, 8, 16, 32, 64)
 
 
@@ -140,7 +142,6 @@ def _err(msg: str) -> None:
 
 
 def _plots(series, prefix: str, title: str) -> None:
-    from glm_ray.bench import report
     try:
         paths = report.write_plots(series, prefix, title)
     except ImportError:
@@ -150,7 +151,6 @@ def _plots(series, prefix: str, title: str) -> None:
 
 
 def _run_compare(args) -> int:
-    from glm_ray.bench import report
     a_path, b_path = args.compare
     try:
         rows_a, rows_b = report.load_jsonl(a_path), report.load_jsonl(b_path)
@@ -170,7 +170,6 @@ def _run_compare(args) -> int:
 
 
 def _run_report(args) -> int:
-    from glm_ray.bench import report
     series = {}
     for path in args.report:
         try:
@@ -190,7 +189,7 @@ def _run_report(args) -> int:
 
 
 def _run_bench(args) -> int:
-    from glm_ray.bench import client, metrics, report
+    from glm_ray.bench import client   # deferred: aiohttp (the `bench` extra)
 
     extra: dict = {}
     if args.extra_body:

@@ -22,6 +22,7 @@ import torch
 from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables
 from glm_ray.quant.fp8_proj import Fp8ProjGemmMethod
+from glm_ray.llm import LLM
 
 _OFF = 1 << 62                      # min_tokens no batch exceeds: the bf16 path
 
@@ -41,7 +42,6 @@ def _set(methods, on: bool, min_tokens: int) -> None:
 
 @torch.inference_mode()
 def run(model: str | None, tokens: list[int], seq_len: int, iters: int, **engine_kw) -> list[dict]:
-    from glm_ray import LLM
     llm = LLM(model, fp8_proj_gemm=True, max_num_batched_tokens=max(tokens), executor="local", **engine_kw)
     w = llm.engine.executor.worker
     net, runner, dev = w.model, w.runner, w.device

@@ -12,10 +12,11 @@ import time
 import torch
 
 from glm_ray.bench.table import append_rows, print_rows
+from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.llm import LLM
 
 
 def run(model: str | None, batches: list[int], input_len: int, output_len: int, **engine_kw) -> list[dict]:
-    from glm_ray import LLM, SamplingParams
     llm = LLM(model, **engine_kw)
     V = llm.engine.model_cfg.vocab_size
     g = torch.Generator().manual_seed(0)

@@ -13,11 +13,12 @@ import os
 import torch
 
 from glm_ray.bench.table import append_rows
+from glm_ray.engine.engine_core import summarize_steps
+from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.llm import LLM
 
 
 def measure(model, tp: int, mode: str, batch: int, steps: int, **kw) -> dict:
-    from glm_ray import LLM, SamplingParams
-    from glm_ray.engine.engine_core import summarize_steps
     if mode != "local":
         os.environ["GLM_RAY_ORCHESTRATION"] = mode
     llm = LLM(model, executor="local" if mode == "local" else "ray", tensor_parallel_size=tp,

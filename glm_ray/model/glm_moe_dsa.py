@@ -20,6 +20,7 @@ from glm_ray.layers.moe import MLP, MoE
 from glm_ray.layers.norm import RMSNorm
 from glm_ray.layers.rotary import RotaryEmbedding
 from glm_ray.forward_batch import ForwardBatch
+from glm_ray.quant import Unquantized
 
 
 def make_mlp(cfg: ModelConfig, sparse: bool, *, quant_config, prefix: str, params_dtype, tp: int) -> nn.Module:
@@ -131,7 +132,6 @@ class GlmMoeDsaForCausalLM(nn.Module):
 
 
 def _lm_head_quant(quant_config):
-    from glm_ray.quant import Unquantized
     return Unquantized()   # NOTE: lm_head stays bf16 in every GLM checkpoint
 
 

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 
 from glm_ray.kernels.torch_ref.fp8 import quant_weight_block
 from glm_ray.kernels.torch_ref.mxfp4 import canonical_scale_mode, quant_mxfp4
+from glm_ray.model.tiny import write_tiny
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +255,6 @@ TINY_QUANT = {"fp8": "fp8-block", "mxfp4": "quark-mxfp4-moe"}
 def make_tiny_quantized(out_dir: str | os.PathLike, quant: str, config: dict | None = None, seed: int = 0) -> Path:
     """`glm-ray make-tiny DIR --quant fp8|mxfp4`: write_tiny into a scratch dir next to DIR, quantize into DIR."""
     import tempfile
-    from glm_ray.model.tiny import write_tiny
     if quant not in TINY_QUANT:
         raise ValueError(f"--quant must be one of {sorted(TINY_QUANT)}, got {quant!r}")
     out = Path(out_dir)

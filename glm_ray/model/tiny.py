@@ -24,6 +24,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from glm_ray.config import ModelConfig
+from glm_ray.model import MODEL_CLASSES
+from glm_ray.model.loader import init_dummy_weights
+from glm_ray.quant import Unquantized
+
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["[gMASK]", "<|endoftext|>", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
@@ -79,10 +84,6 @@ def build_tokenizer(vocab_size: int):
 @torch.no_grad()
 def write_tiny(out_dir: str | os.PathLike, config: dict | None = None, seed: int = 0, num_shards: int = 2,
                dtype: torch.dtype = torch.bfloat16) -> Path:
-    from glm_ray.config import ModelConfig
-    from glm_ray.model.loader import init_dummy_weights
-    from glm_ray.quant import Unquantized
-    from glm_ray.model import MODEL_CLASSES
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,7 @@
 """Quantization: per-layer strategy objects (see base.py) and the config that picks them."""
 from glm_ray.quant.base import LinearMethod, MoEMethod, QuantConfig
+from glm_ray.quant.config import NoQuantSpec, parse_quant_config
+from glm_ray.quant.dispatch import SpecQuantConfig
 from glm_ray.quant.unquantized import Unquantized, UnquantizedLinearMethod, UnquantizedMoEMethod
 
 
@@ -10,8 +12,6 @@ def get_quant_config(model_config) -> QuantConfig:
     FP8) -> `SpecQuantConfig`, which picks one method per layer (quant/dispatch.py). Anything else is a
     `QuantConfigError` here; a well-formed but unsupported per-layer scheme fails while the model is
     built, naming the layer (`UnsupportedQuantSchemeError`)."""
-    from glm_ray.quant.config import NoQuantSpec, parse_quant_config
-    from glm_ray.quant.dispatch import SpecQuantConfig
     qc = model_config.quantization_config
     if not qc:
         return Unquantized()

@@ -24,6 +24,8 @@ from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import torch
 
+from glm_ray.kernels.torch_ref.mxfp4 import canonical_scale_mode
+
 LayerKind = Literal["linear", "moe"]
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -366,7 +368,6 @@ class QuarkLayerConfig:
             if not (a.is_fp4 and a.qscheme == "per_group" and a.group_size == 32 and a.is_dynamic
                     and (a.scale_format or "e8m0") == "e8m0"):
                 raise UnsupportedQuantSchemeError(prefix, desc, "MXFP4 weights need dynamic MXFP4 (1x32) activations")
-            from glm_ray.kernels.torch_ref.mxfp4 import canonical_scale_mode
             try:
                 wm = canonical_scale_mode(w.scale_calculation_mode or "even")
                 am = canonical_scale_mode(a.scale_calculation_mode or "even")

@@ -29,6 +29,9 @@ from glm_ray.layer_contracts import LayerKind, layer_kind
 from glm_ray.quant.base import LinearMethod, MoEMethod, QuantConfig
 from glm_ray.quant.config import QuantScheme, QuantSpec, UnsupportedQuantSchemeError
 from glm_ray.quant.runtime import describe
+from glm_ray.quant.fp8 import Fp8BlockLinearMethod, Fp8BlockMoEMethod
+from glm_ray.quant.mxfp4 import Mxfp4LinearMethod, Mxfp4MoEMethod
+from glm_ray.quant.unquantized import UnquantizedLinearMethod, UnquantizedMoEMethod
 
 # runtime fused linears -> the checkpoint modules they are built from (suffix replacement)
 FUSED_LINEARS = {".gate_up_proj": (".gate_proj", ".up_proj")}
@@ -44,26 +47,20 @@ def checkpoint_shards(prefix: str) -> list[str] | None:
 
 def _linear_method(scheme: QuantScheme) -> LinearMethod | None:
     if scheme.kind == "unquantized":
-        from glm_ray.quant.unquantized import UnquantizedLinearMethod
         return UnquantizedLinearMethod()
     if scheme.kind == "fp8_block":
-        from glm_ray.quant.fp8 import Fp8BlockLinearMethod
         return Fp8BlockLinearMethod(scheme)
     if scheme.kind == "mxfp4":
-        from glm_ray.quant.mxfp4 import Mxfp4LinearMethod
         return Mxfp4LinearMethod(scheme)
     return None
 
 
 def _moe_method(scheme: QuantScheme) -> MoEMethod | None:
     if scheme.kind == "unquantized":
-        from glm_ray.quant.unquantized import UnquantizedMoEMethod
         return UnquantizedMoEMethod()
     if scheme.kind == "fp8_block":
-        from glm_ray.quant.fp8 import Fp8BlockMoEMethod
         return Fp8BlockMoEMethod(scheme)
     if scheme.kind == "mxfp4":
-        from glm_ray.quant.mxfp4 import Mxfp4MoEMethod
         return Mxfp4MoEMethod(scheme)
     return None
 

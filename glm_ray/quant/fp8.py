@@ -24,6 +24,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from glm_ray.kernels.torch_ref.aiter_layout import unshuffle_weight
 from glm_ray.kernels.torch_ref.fp8 import FP8_DTYPE, dequant_block_fp8
 from glm_ray.layer_contracts import GateMode
 from glm_ray.weights import set_weight_attrs
@@ -106,7 +107,6 @@ class Fp8BlockLinearMethod(LinearMethod):
         """The dense weight `[N, K]` in the layer's dtype (MLA absorbs kv_b_proj from it)."""
         w, s = layer.weight.data, layer.weight_scale_inv.data
         if getattr(layer, "fp8_meta", {}).get("preshuffled"):
-            from glm_ray.kernels.torch_ref.aiter_layout import unshuffle_weight
             w = unshuffle_weight(w)
         dt = getattr(layer, "fp8_out_dtype", torch.float32)
         if layer.fp8_shards is None:

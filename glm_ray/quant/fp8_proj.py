@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from glm_ray import kernels
 from glm_ray.quant.base import LinearMethod, QuantConfig
 from glm_ray.quant.unquantized import UnquantizedLinearMethod
+from glm_ray.kernels.torch_ref.fp8 import quant_weight_ue8m0
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ class Fp8ProjGemmMethod(LinearMethod):
         self.base.create_weights(layer, in_features, out_features, params_dtype)
 
     def process_weights_after_loading(self, layer) -> None:
-        from glm_ray.kernels.torch_ref.fp8 import quant_weight_ue8m0
         self.base.process_weights_after_loading(layer)
         q, s = quant_weight_ue8m0(layer.weight.data, BLOCK)                 # e4m3 [N, K], fp32 pow2 [N/128, K/128]
         q, s, meta = kernels.ops().block_fp8_linear_prepare(q, s, BLOCK)    # e.g. aiter (16,16) preshuffle

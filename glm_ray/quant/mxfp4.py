@@ -21,6 +21,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from glm_ray.kernels.torch_ref.aiter_layout import deinterleave_gate_up_rows
+from glm_ray.kernels.torch_ref.mxfp4 import dequant_mxfp4
 from glm_ray.layer_contracts import GateMode
 from glm_ray.weights import set_weight_attrs
 from glm_ray.quant.base import LinearMethod, MoEMethod
@@ -90,7 +92,6 @@ class Mxfp4MoEMethod(MoEMethod):
         mxfp4_dummy_pair(layer.w2_weight, layer.w2_weight_scale, Ir, on_done=fix_pads)
 
     def process_weights_after_loading(self, layer):
-        from glm_ray.kernels.torch_ref.aiter_layout import deinterleave_gate_up_rows
         c = layer.contract
         if c.gate_mode == GateMode.INTERLEAVED:
             # rows as loaded alternate g0, u0, g1, u1, ... over the real 2I rows; runner padding rows (zero
@@ -165,5 +166,4 @@ class Mxfp4LinearMethod(LinearMethod):
         return owned_ops(layer).mxfp4_linear(x, layer.weight, layer.weight_scale, act_mode=self.act_mode)
 
     def dequantized_weight(self, layer) -> torch.Tensor:
-        from glm_ray.kernels.torch_ref.mxfp4 import dequant_mxfp4
         return dequant_mxfp4(layer.weight.data, layer.weight_scale.data, getattr(layer, "params_dtype", torch.float32))

@@ -9,11 +9,11 @@ from __future__ import annotations
 from ray.serve import Application
 
 from glm_ray.serve.args import ServeArgs
+from glm_ray.serve.ingress import ingress_deployment
+from glm_ray.serve.router import router_deployment
 
 
 def build_app(args: dict | None = None) -> Application:
-    from glm_ray.serve.ingress import ingress_deployment
-    from glm_ray.serve.router import router_deployment
     a = ServeArgs.from_dict(args)
     model = a.resolved_model()
     router = router_deployment(a).bind(a.to_dict())

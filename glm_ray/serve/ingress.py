@@ -23,6 +23,7 @@ Router contract (glm_ray/serve/router.py):
 import asyncio
 import contextvars
 import logging
+import os
 import time
 from typing import Any, Optional
 
@@ -32,6 +33,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 
 from glm_ray.engine.sampling_params import SamplingParams, choice_seed
+from glm_ray.engine.tokenizer import load_tokenizer
 from glm_ray.serve.detok import TokenStrings
 from glm_ray.serve.errors import error_response, for_client, install_error_handlers, map_exception, openai_errors
 from glm_ray.serve.openapi import build_openapi
@@ -119,10 +121,6 @@ class OpenAIIngress:
                  tokenizer_path: Optional[str] = None, chat_template: Optional[str] = None,
                  generation_config: str = "auto", api_key: Optional[str] = None,
                  trust_request_chat_template: bool = False):
-        import os
-
-        from glm_ray.engine.tokenizer import load_tokenizer
-
         self.router = router
         self.api_key = api_key or os.environ.get("GLM_RAY_API_KEY") or None
         self.trust_request_chat_template = bool(trust_request_chat_template)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
-from glm_ray.engine.engine_core import EngineCore
+from glm_ray.engine.engine_core import EngineCore, summarize_steps
 from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, request_failure
 from glm_ray.config import make_engine_config
 from glm_ray.engine.tokenizer import load_tokenizer
@@ -134,7 +134,6 @@ class Router:
                 raise EngineDeadError(_DEAD_MESSAGE) from e
 
     async def stats(self) -> dict:
-        from glm_ray.engine.engine_core import summarize_steps
         s = self.engine.last_stats
         return {"running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
                 "kv_usage": self.engine.kv.usage(), "num_preemptions": self.engine.num_preemptions,

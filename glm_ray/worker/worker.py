@@ -12,11 +12,12 @@ import torch
 
 from glm_ray import kernels
 from glm_ray.config import EngineConfig, ModelConfig
-from glm_ray.distributed.parallel_state import init_tensor_parallel, tp_rank
+from glm_ray.distributed.parallel_state import enable_collective_timing, init_tensor_parallel, tp_rank
 from glm_ray.engine.contract import ModelRunnerOutput, SchedulerOutput
 from glm_ray.model import MODEL_CLASSES
 from glm_ray.model.loader import init_dummy_weights, load_weights
 from glm_ray.quant import get_quant_config
+from glm_ray.quant.fp8_proj import Fp8ProjOverlay
 from glm_ray.worker.cache import num_blocks_for_budget, state_bytes
 from glm_ray.worker.model_runner import ModelRunner, profile_activation_bytes
 
@@ -42,7 +43,6 @@ class Worker:
             self.device = torch.device("cpu")
         init_tensor_parallel(self.rank, self.tp, self.init_method or "", self.device.type)
         if os.environ.get("GLM_RAY_TIME_COLLECTIVES") == "1":      # measurement runs only
-            from glm_ray.distributed.parallel_state import enable_collective_timing
             enable_collective_timing(self.device.type)
         kernels.init_backend(self.cfg.kernel_backend, self.device.type)
         torch.manual_seed(self.cfg.seed)
@@ -55,7 +55,6 @@ class Worker:
         cls = MODEL_CLASSES[self.model_cfg.architecture]
         quant = get_quant_config(self.model_cfg)
         if self.cfg.fp8_proj_gemm:
-            from glm_ray.quant.fp8_proj import Fp8ProjOverlay
             quant = Fp8ProjOverlay(quant, self.cfg.fp8_proj_min_tokens,
                                    mla_layers=set(self.model_cfg.attention_layers()),
                                    force=os.environ.get("GLM_RAY_FP8_PROJ_FORCE") == "1")

@@ -55,7 +55,7 @@ class WorkerActor:
         return ip, _free_port()
 
     def init(self, init_method: str) -> None:
-        from glm_ray.worker.worker import Worker
+        from glm_ray.worker.worker import Worker   # deferred: the model stack loads in the actor, not the Router
         self.worker = Worker(self.cfg, rank=self.rank, init_method=init_method)
         self.worker.init_device()
 
