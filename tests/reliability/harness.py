@@ -341,8 +341,34 @@ class HostileGenerator:
             ("POST", "/tokenize", {"model": m, "prompt": "hello world", "return_token_strs": True}),
             ("POST", "/tokenize", {"model": m, "messages": [{"role": "user", "content": "hi"}]}),
             ("POST", "/detokenize", {"model": m, "tokens": [11, 12, 13]}),
+            ("GET", "/v1/models", None),
+            ("GET", f"/v1/models/{m}", None),
+            ("GET", "/health", None),
         ]
         return rng.choice(choices)
+
+    def mutated_get(self, rng: random.Random, path: str) -> HostileRequest:
+        """GET endpoints: hostile query strings, path suffixes, bodies, methods and headers."""
+        method, body, headers, kinds = "GET", None, {}, []
+        for _ in range(rng.randint(1, 2)):
+            op = rng.choice(["query", "suffix", "body", "method", "header"])
+            kinds.append(op)
+            if op == "query":
+                path += rng.choice(["?a=%ff%fe", "?model=%00", "?x=" + "y" * 10_000, "?%ED%A0%80=1", "?a[]=1&a[]=2",
+                                    "?limit=-1&after=" + "z" * 300, "?&&&==", "?q=%F0%9F%98%80"])
+            elif op == "suffix":
+                path += rng.choice(["/", "/%ff", "/..", "/%2e%2e%2f", "/" + self._rand_str(rng, 1, 20), "/x" * 200,
+                                    "%00", "//"])
+            elif op == "body":
+                body = rng.choice([dumps({"model": self.model}), b"\xff\xfe", _nested(DEPTH).encode(), b"NaN"])
+                headers = dict(JSON)
+            elif op == "method":
+                method = rng.choice(["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
+            elif op == "header":
+                headers[rng.choice(["accept", "authorization", "x-request-id", "content-length-x"])] = \
+                    rng.choice(["", "Bearer \u00ff", "a" * 8000, "*/*;q=NaN", "\u00e9t\u00e9"]).encode("latin-1",
+                                                                                                  "replace").decode("latin-1")
+        return HostileRequest("mutation_get:" + "+".join(kinds), method, path, body, headers, None)
 
     # ---- the catalog ----
     def catalog(self) -> list[HostileRequest]:
@@ -592,6 +618,8 @@ class HostileGenerator:
     # ---- random mutations of valid bodies ----
     def mutated(self, rng: random.Random) -> HostileRequest:
         method, path, body = self.valid(rng)
+        if body is None:
+            return self.mutated_get(rng, path)
         body = copy.deepcopy(body)
         ops = rng.randint(1, 3)
         raw: Optional[bytes] = None
@@ -672,7 +700,8 @@ class HostileGenerator:
         while len(out) < n:
             if rng.random() < 0.1:
                 method, path, body = self.valid(rng)
-                out.append(HostileRequest("valid", method, path, dumps(body), dict(JSON), frozenset({200})))
+                out.append(HostileRequest("valid", method, path, None if body is None else dumps(body),
+                                          dict(JSON) if body is not None else {}, frozenset({200})))
             else:
                 out.append(self.mutated(rng))
         return out
@@ -996,7 +1025,7 @@ def _stream_then_disconnect(base_url: str, path: str, body: dict, chunks: int, b
     _assert_loopback(base_url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=budget_s)
     t0 = time.monotonic()
-    seen, status = 0, None
+    seen, status, events = 0, None, []
     try:
         conn.request("POST", u.path, body=dumps(body), headers=JSON)
         resp = conn.getresponse()
@@ -1006,10 +1035,14 @@ def _stream_then_disconnect(base_url: str, path: str, body: dict, chunks: int, b
                 line = resp.fp.readline()
                 if not line:
                     break
-                if line.startswith(b"data:") and b"[DONE]" not in line:
-                    seen += 1
+                if line.startswith(b"data:"):
+                    events.append(line[:300].decode("utf-8", "replace").strip())
+                    seen += b"[DONE]" not in line and b'"error"' not in line
+        else:
+            events.append(resp.read(300).decode("utf-8", "replace"))
     except (OSError, http.client.HTTPException) as e:
-        return {"status": status, "chunks": seen, "error": repr(e)[:200], "closed_at": time.monotonic()}
+        return {"status": status, "chunks": seen, "error": repr(e)[:200], "closed_at": time.monotonic(),
+                "events": events[-3:], "seconds": round(time.monotonic() - t0, 1)}
     finally:
         try:
             import socket
@@ -1018,7 +1051,10 @@ def _stream_then_disconnect(base_url: str, path: str, body: dict, chunks: int, b
         except OSError:
             pass
         conn.close()
-    return {"status": status, "chunks": seen, "closed_at": time.monotonic()}
+    out = {"status": status, "chunks": seen, "closed_at": time.monotonic(), "seconds": round(time.monotonic() - t0, 1)}
+    if seen < chunks:
+        out["events"] = events[-3:]          # why it ended early
+    return out
 
 
 def run_disconnect_storm(base_url: str, model: str, rd: RayDriver, app: str, n: int = 20, chunks: int = 3,
@@ -1121,6 +1157,7 @@ def run_injected_fault(base_url: str, model: str, rd: RayDriver, app: str, kind:
         body = completion(model, _ids(rng, 8), 200, ignore_eos=True, stop_token_ids=FAULT_TOKENS, stream=True,
                           seed=100 + i)
         u = base_url.rstrip("/") + "/v1/completions"
+        _assert_loopback(u)
         t0 = time.monotonic()
         chunks, got_first = [], False
         try:
@@ -1236,6 +1273,7 @@ def run_worker_kill(base_url: str, model: str, rd: RayDriver, app: str, max_mode
                           stop_token_ids=FAULT_TOKENS)
         got_first, chunks = False, []
         try:
+            _assert_loopback(base_url)
             with requests.post(base_url.rstrip("/") + "/v1/completions", data=dumps(body), headers=JSON,
                                stream=True, timeout=(5, 120)) as r:
                 for line in r.iter_lines():
