@@ -833,14 +833,12 @@ class RayDriver:
             h = self._handles[app] = serve.get_deployment_handle("Router", app_name=app)
         return h.stats.remote().result(timeout_s=timeout)
 
-    def kv_capacity(self, app: str, max_model_len: int) -> tuple[int, str]:
-        """The app's KV capacity in tokens: the Router's `kv_capacity_tokens`. Fallback while that
-        key is missing: max_model_len, which equals the capacity when the KV cache is smaller than
-        max_position_embeddings (the "faults" app: 1280 < 4096)."""
+    def kv_capacity(self, app: str) -> int:
+        """The app's KV capacity in tokens, as its Router reports it (stats()["kv_capacity_tokens"])."""
         s = self.stats(app)
-        if s.get("kv_capacity_tokens"):
-            return int(s["kv_capacity_tokens"]), "stats.kv_capacity_tokens"
-        return int(max_model_len), "fallback: max_model_len (stats has no kv_capacity_tokens)"
+        if not s.get("kv_capacity_tokens"):
+            raise AssertionError(f"the Router of {app!r} reports no kv_capacity_tokens in stats(): {sorted(s)}")
+        return int(s["kv_capacity_tokens"])
 
     def wait_idle(self, app: str, timeout: float) -> tuple[Optional[float], dict]:
         """Seconds until running == waiting == 0 and kv_usage == 0 (None if not within timeout)."""
@@ -974,8 +972,9 @@ def run_overload(base_url: str, model: str, rd: RayDriver, app: str, max_model_l
                  prompt_len: int = 64, max_tokens: int = 192, seed: int = 0, timeout: float = 600.0) -> dict:
     """ceil(factor x KV capacity / (prompt + max_tokens)) requests at once (half streaming, half
     chat/completions); each must complete or get a clean 429/503. Then the KV must be empty again."""
-    capacity, source = rd.kv_capacity(app, max_model_len)
+    capacity = rd.kv_capacity(app)
     per = prompt_len + max_tokens
+    assert per <= max_model_len, (per, max_model_len)
     n = math.ceil(factor * capacity / per)
     rng = random.Random(seed)
     bodies = []
@@ -1002,7 +1001,7 @@ def run_overload(base_url: str, model: str, rd: RayDriver, app: str, max_model_l
             lost.append(f"{path} stream={body['stream']}: {detail}")
     idle_s, last = rd.wait_idle(app, timeout=10)
     p0, p1 = sampler.preemptions
-    return {"kv_capacity_tokens": capacity, "capacity_source": source, "requests": n,
+    return {"kv_capacity_tokens": capacity, "requests": n,
             "tokens_requested": n * per, "factor": round(n * per / capacity, 2), **outcomes,
             "lost_examples": lost[:10], "peak": sampler.peak,
             "preemptions": (p1 - p0) if (p0 is not None and p1 is not None) else None,
