@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from glm_ray import envs
+
 SUPPORTED_ARCHITECTURES = {
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
@@ -370,7 +372,7 @@ def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str 
                        gpu_memory_utilization: float = 0.9, max_waiting: int = 4096, seed: int = 0,
                        fp8_proj_gemm: bool | None = None, fp8_proj_min_tokens: int = 512) -> EngineConfig:
     if fp8_proj_gemm is None:       # the flag's third spelling: GLM_RAY_FP8_PROJ_GEMM=1
-        fp8_proj_gemm = os.environ.get("GLM_RAY_FP8_PROJ_GEMM", "").strip().lower() in ("1", "true", "yes", "on")
+        fp8_proj_gemm = envs.FP8_PROJ_GEMM.get()
     return EngineConfig(
         model=model, dtype=dtype, device=device, load_format=load_format, kernel_backend=kernel_backend,
         mla_mode=mla_mode, seed=seed, fp8_proj_gemm=fp8_proj_gemm, fp8_proj_min_tokens=fp8_proj_min_tokens,

@@ -13,6 +13,7 @@ import os
 import torch
 
 from glm_ray.bench.table import append_rows
+from glm_ray import envs
 from glm_ray.engine.engine_core import summarize_steps
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.llm import LLM
@@ -20,7 +21,7 @@ from glm_ray.llm import LLM
 
 def measure(model, tp: int, mode: str, batch: int, steps: int, **kw) -> dict:
     if mode != "local":
-        os.environ["GLM_RAY_ORCHESTRATION"] = mode
+        os.environ[envs.ORCHESTRATION.name] = mode
     llm = LLM(model, executor="local" if mode == "local" else "ray", tensor_parallel_size=tp,
               max_num_seqs=batch, kv_cache_memory_bytes=1 << 30, **kw)
     V = llm.engine.model_cfg.vocab_size
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
                    help="time TP all-reduce/all-gather on rank 0 (adds a sync per step on GPUs)")
     a = p.parse_args(argv)
     if a.time_collectives:
-        os.environ["GLM_RAY_TIME_COLLECTIVES"] = "1"       # inherited by the worker actors
+        os.environ[envs.TIME_COLLECTIVES.name] = "1"       # inherited by the worker actors
     import ray
     if not ray.is_initialized():
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")

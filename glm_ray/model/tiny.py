@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from glm_ray import envs
 from glm_ray.config import ModelConfig
 from glm_ray.model import MODEL_CLASSES
 from glm_ray.model.loader import init_dummy_weights
@@ -163,7 +164,7 @@ def _export(p: torch.Tensor, kw: dict) -> torch.Tensor:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("GLM_RAY_CACHE", Path.home() / ".cache" / "glm-ray"))
+    return envs.CACHE.get()
 
 
 def default_tiny_model() -> str:

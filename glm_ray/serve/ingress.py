@@ -23,7 +23,6 @@ Router contract (glm_ray/serve/router.py):
 import asyncio
 import contextvars
 import logging
-import os
 import time
 from typing import Any, Optional
 
@@ -32,6 +31,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 
+from glm_ray import envs
 from glm_ray.engine.sampling_params import SamplingParams, choice_seed
 from glm_ray.engine.tokenizer import load_tokenizer
 from glm_ray.serve.detok import TokenStrings
@@ -122,7 +122,7 @@ class OpenAIIngress:
                  generation_config: str = "auto", api_key: Optional[str] = None,
                  trust_request_chat_template: bool = False):
         self.router = router
-        self.api_key = api_key or os.environ.get("GLM_RAY_API_KEY") or None
+        self.api_key = api_key or envs.API_KEY.get()
         self.trust_request_chat_template = bool(trust_request_chat_template)
         self.model_path = model_path
         self.served_model_name = served_model_name

@@ -12,12 +12,13 @@ default), `FaultInjector.from_env()` is None and the step pays nothing.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-ENV = "GLM_RAY_FAULT_INJECTION"
+from glm_ray import envs
+
+ENV = envs.FAULT_INJECTION.name
 KINDS = ("exception", "oom", "sample")
 
 
@@ -53,7 +54,7 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls) -> "FaultInjector | None":
-        spec = os.environ.get(ENV, "").strip()
+        spec = envs.FAULT_INJECTION.get()
         return cls.parse(spec) if spec else None
 
     def before_forward(self, token_ids: list[int]) -> None:

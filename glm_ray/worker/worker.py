@@ -6,11 +6,10 @@ Start-up stages are named methods so failures say where they happened.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from glm_ray import kernels
+from glm_ray import envs, kernels
 from glm_ray.config import EngineConfig, ModelConfig
 from glm_ray.distributed.parallel_state import enable_collective_timing, init_tensor_parallel, tp_rank
 from glm_ray.engine.contract import ModelRunnerOutput, SchedulerOutput
@@ -42,7 +41,7 @@ class Worker:
         else:
             self.device = torch.device("cpu")
         init_tensor_parallel(self.rank, self.tp, self.init_method or "", self.device.type)
-        if os.environ.get("GLM_RAY_TIME_COLLECTIVES") == "1":      # measurement runs only
+        if envs.TIME_COLLECTIVES.get():      # measurement runs only
             enable_collective_timing(self.device.type)
         kernels.init_backend(self.cfg.kernel_backend, self.device.type)
         torch.manual_seed(self.cfg.seed)
@@ -57,7 +56,7 @@ class Worker:
         if self.cfg.fp8_proj_gemm:
             quant = Fp8ProjOverlay(quant, self.cfg.fp8_proj_min_tokens,
                                    mla_layers=set(self.model_cfg.attention_layers()),
-                                   force=os.environ.get("GLM_RAY_FP8_PROJ_FORCE") == "1")
+                                   force=envs.FP8_PROJ_FORCE.get())
         with torch.device(self.device):
             self.model = cls(self.model_cfg, quant, self.model_cfg.dtype, tp=self.tp).eval()
         if self.cfg.load_format == "dummy":

@@ -23,6 +23,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from glm_ray import envs
 from glm_ray.config import EngineConfig
 from glm_ray.engine.contract import SchedulerOutput
 
@@ -47,8 +48,8 @@ class WorkerActor:
             import torch
             # NOTE: leave one core to the Router / ingress / proxy processes: on 2 cores, 1 thread per rank
             # served tiny-model decode at C=4 with 14.4 ms ITL vs 23.6 ms with 2 threads (C=1 unchanged).
-            n = os.environ.get("GLM_RAY_CPU_THREADS")
-            torch.set_num_threads(int(n) if n else max(1, ((os.cpu_count() or 2) - 1) // cfg.parallel.tensor_parallel_size))
+            n = envs.CPU_THREADS.get()
+            torch.set_num_threads(n or max(1, ((os.cpu_count() or 2) - 1) // cfg.parallel.tensor_parallel_size))
 
     def node_address(self) -> tuple[str, int]:
         ip = ray.util.get_node_ip_address()
@@ -110,7 +111,7 @@ class RayWorkerGroup:
             ray.get(placement.ready(), timeout=600)
             first_bundle = 0
         env = {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TOKENIZERS_PARALLELISM": "false",
-               **{k: v for k, v in os.environ.items() if k.startswith("GLM_RAY_")}}   # our knobs reach every rank
+               **envs.forwarded()}   # our knobs reach every rank
         if not gpu:
             env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
         opts = dict(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1, runtime_env={"env_vars": env})
@@ -132,7 +133,7 @@ class RayWorkerGroup:
         # NOTE: compiled graphs poll their channels; on a CPU box that polling competes with the model's
         # threads (measured on 2 cores: 21.5 ms vs 12.3 ms per tiny decode step), so "auto" = compiled
         # on GPUs (1.0 vs 2.4 ms orchestration per step on H200) and plain actor calls on CPU.
-        mode = os.environ.get("GLM_RAY_ORCHESTRATION", "auto")
+        mode = envs.ORCHESTRATION.get()
         if mode == "compiled" or (mode == "auto" and gpu):
             self._dag = self._compile()
 

@@ -1,0 +1,119 @@
+"""Every `GLM_RAY_*` environment variable: its type, default and meaning, in one place.
+
+Each is an `EnvVar`; code reads it with `.get()` (parsed and checked: a bad value is an error naming the
+variable, never a silent default) where the component that uses it starts — worker start-up, kernel
+backend resolution, the ingress's constructor — never per step. The Ray worker group forwards every
+`GLM_RAY_*` variable of the Router's process to its rank actors, so a knob set where the app runs
+reaches every rank. The README's "Environment variables" table is `table()`; a test keeps both in sync
+and checks that no `GLM_RAY_` name is used in the package without being declared here.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Generic, TypeVar
+
+T = TypeVar("T")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _bool(raw: str) -> bool:
+    v = raw.lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"expected one of {_TRUE + _FALSE}")
+
+
+def _positive_int(raw: str) -> int:
+    v = int(raw)
+    if v < 1:
+        raise ValueError("expected an integer >= 1")
+    return v
+
+
+def _names(raw: str) -> frozenset[str]:
+    return frozenset(n.strip() for n in raw.split(",") if n.strip())
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in options:
+            raise ValueError(f"expected one of {options}")
+        return raw
+    return parse
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    parse: Callable[[str], T]
+    default: Any
+    help: str
+    type_name: str = "str"
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name, "").strip()
+        if not raw:
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"{self.name}={raw!r}: {e}") from None
+
+
+API_KEY: EnvVar[str | None] = EnvVar(
+    "GLM_RAY_API_KEY", str, None, "API key required as `Authorization: Bearer <key>` on /v1/* "
+    "(same as `--api-key` / the `api_key` app argument; vLLM: VLLM_API_KEY)")
+FP8_PROJ_GEMM: EnvVar[bool] = EnvVar(
+    "GLM_RAY_FP8_PROJ_GEMM", _bool, False, "turn on the prefill-only FP8 q_b_proj/o_proj GEMM "
+    "(same as `--fp8-proj-gemm`)", "bool")
+FP8_PROJ_FORCE: EnvVar[bool] = EnvVar(
+    "GLM_RAY_FP8_PROJ_FORCE", _bool, False, "measurement only: take the FP8 projection path even where "
+    "the backend has no fast FP8 GEMM (the emulated path)", "bool")
+CACHE: EnvVar[Path] = EnvVar(
+    "GLM_RAY_CACHE", Path, Path.home() / ".cache" / "glm-ray", "where `model=tiny` is written once",
+    "path")
+CPU_THREADS: EnvVar[int | None] = EnvVar(
+    "GLM_RAY_CPU_THREADS", _positive_int, None, "torch threads per CPU rank (default: (cores - 1) / tp, "
+    "leaving a core to the Router, ingress and proxy)", "int")
+ORCHESTRATION: EnvVar[str] = EnvVar(
+    "GLM_RAY_ORCHESTRATION", _choice("auto", "compiled", "actor"), "auto", "per-step calls to the TP "
+    "ranks: Ray Compiled Graph (`auto` on GPUs) or plain actor calls (`auto` on CPU)")
+TIME_COLLECTIVES: EnvVar[bool] = EnvVar(
+    "GLM_RAY_TIME_COLLECTIVES", _bool, False, "measurement only: time every all-reduce/gather (adds "
+    "syncs)", "bool")
+TORCH_OPS: EnvVar[frozenset[str]] = EnvVar(
+    "GLM_RAY_TORCH_OPS", _names, frozenset(), "comma-separated kernel ops sent to the torch reference on "
+    "any backend (a kernel's A/B inside one deployment)", "names")
+CUDA_FP8_GEMM: EnvVar[str] = EnvVar(
+    "GLM_RAY_CUDA_FP8_GEMM", _choice("scaled_mm", "triton"), "scaled_mm", "cuda backend: block-FP8 "
+    "GEMM implementation")
+FAULT_INJECTION: EnvVar[str] = EnvVar(
+    "GLM_RAY_FAULT_INJECTION", str, "", "reliability tests only: `KIND@TOKEN_ID,...` (KIND: exception, "
+    "oom or sample) makes steps holding TOKEN_ID fail (worker/faults.py)", "spec")
+LOG_LEVEL: EnvVar[str] = EnvVar(
+    "GLM_RAY_LOG_LEVEL", _choice("DEBUG", "INFO", "WARNING", "ERROR"), "INFO", "log level of the `glm-ray` "
+    "command")
+
+ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_THREADS, ORCHESTRATION,
+                           TIME_COLLECTIVES, TORCH_OPS, CUDA_FP8_GEMM, FAULT_INJECTION, LOG_LEVEL)
+
+
+def forwarded() -> dict[str, str]:
+    """The GLM_RAY_* variables set in this process (what the worker group forwards to its ranks)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("GLM_RAY_")}
+
+
+def table() -> str:
+    """The README's table of variables (markdown)."""
+    rows = ["| variable | type | default | meaning |", "|---|---|---|---|"]
+    for v in ALL:
+        default = "(none)" if v.default in (None, "", frozenset()) else f"`{v.default}`"
+        if v is CACHE:
+            default = "`~/.cache/glm-ray`"
+        rows.append(f"| `{v.name}` | {v.type_name} | {default} | {v.help} |")
+    return "\n".join(rows)
