@@ -133,13 +133,17 @@ def cmd_serve(a) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     app_args = serve_app_args(a)
     sa = ServeArgs.from_dict(app_args)          # bad flags fail here, before Ray starts
-    if not a.address and _is_loopback(a.ray_node_ip):
-        # NOTE: on Linux Ray swaps a loopback --node-ip-address for the host's reachable IP, and its gRPC
-        # servers (GCS, raylet, workers) then listen on every interface. Ray's single-node mode (its
-        # default on macOS/Windows) keeps 127.0.0.1 as the node IP, and with it every Ray port on
-        # loopback. It is read when `ray` is imported, so it is set before that.
+    loopback = not a.address and _is_loopback(a.ray_node_ip)
+    if loopback:
+        # NOTE: on Linux Ray swaps a loopback node IP for the host's reachable IP, and its gRPC servers
+        # (GCS, raylet, workers) then listen on every interface. Ray's single-node mode (its default on
+        # macOS/Windows) keeps 127.0.0.1 as the node IP, and with it every Ray port on loopback. Ray
+        # reads the variable at import, in this process and in every process it starts.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
+    if loopback:
+        from ray._private import ray_constants
+        ray_constants.ENABLE_RAY_CLUSTER = False    # in case something imported ray before the line above
     from ray import serve
     from glm_ray.serve.app import build_app
     if sa.model == "tiny":                      # write the cache once here, not in two replicas at once

@@ -4,6 +4,7 @@ are an error); and `serve deploy` of deploy/serve_config.yaml reached RUNNING an
 from __future__ import annotations
 
 import json
+import os
 import re
 import urllib.request
 from pathlib import Path
@@ -104,6 +105,36 @@ def test_cli_serve_flags_become_app_args(monkeypatch):
     assert sa.model_name() == "glm5-tiny" and sa.api_key is None
     a = build_parser().parse_args(["serve"])
     assert (a.host, a.ray_node_ip, a.port, a.metrics_port) == ("127.0.0.1", "127.0.0.1", 8000, 8080)
+
+
+def test_cli_serve_keeps_ray_on_loopback(monkeypatch):
+    """`glm-ray serve` starts Ray in its single-node mode (node IP 127.0.0.1, every Ray port on loopback)
+    unless --ray-node-ip names another address; checked at the ray.init call, nothing is started."""
+    import ray
+    from ray._private import ray_constants
+    from glm_ray import cli
+
+    class Started(Exception):
+        pass
+
+    def fake_init(**kw):
+        raise Started(kw, os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"), ray_constants.ENABLE_RAY_CLUSTER)
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    monkeypatch.setattr("glm_ray.model.tiny.default_tiny_model", lambda *a, **k: None)
+    with pytest.raises(Started) as e:
+        cli.main(["serve", "--host", "0.0.0.0", "--metrics-port", "9123"])
+    kw, env, cluster = e.value.args
+    assert (kw["_node_ip_address"], kw["include_dashboard"], kw["_metrics_export_port"]) == ("127.0.0.1", False, 9123)
+    assert (env, cluster) == ("0", False)
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    with pytest.raises(Started) as e:
+        cli.main(["serve", "--ray-node-ip", "10.1.2.3"])
+    kw, env, cluster = e.value.args
+    assert (kw["_node_ip_address"], env, cluster) == ("10.1.2.3", None, True)
 
 
 def test_cli_version_and_help(capsys):
