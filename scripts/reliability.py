@@ -11,7 +11,8 @@ writes them as JSON, and stops the cluster.
 
 Figures (targets):
   fuzz          N fuzzed requests (the hostile catalog, then seeded mutations): 0 x 5xx (503 with
-                Retry-After excepted), server alive, no leaked internals; + statuses vs the contract
+                Retry-After of a busy server excepted), server alive, no leaked internals; + statuses vs
+                the contract
   schemathesis  positive + negative cases over the app's OpenAPI document: 0 failing checks
   overload      4x the KV capacity at once ("faults", 1280 tokens): 0 lost (each request completes
                 or gets a clean 429/503)
@@ -68,7 +69,7 @@ def fuzz_figures(r: dict) -> list[H.Figure]:
     return [
         H.Figure("fuzz", f"{sent} fuzzed requests: {r['server_errors']} x 5xx, {r['transport_errors']} without "
                  f"response, {r['leaks']} leaking internals, {alive}",
-                 "0 x 5xx (503 + Retry-After excepted), alive, 0 leaks",
+                 "0 x 5xx (a busy 503 + Retry-After excepted), alive, 0 leaks",
                  r["server_errors"] == 0 and r["leaks"] == 0 and r["transport_errors"] == 0 and r["alive_after"]
                  and r["requests"] == r["planned"]),
         H.Figure("fuzz contract", f"{r['wrong_status']} wrong statuses, {r['bad_shape']} bad error shapes/headers "

@@ -55,6 +55,10 @@ LEAK_PATTERNS: list[tuple[str, re.Pattern]] = [
 ]
 
 ERROR_FIELDS = ("message", "type", "param", "code")
+# The 503s that mean "busy, retry" (queue full, Serve back-pressure, an OOM in a step). A 503 of an
+# engine that is down (engine_dead / engine_unavailable / engine_unhealthy) is no such answer: where no
+# worker was killed, it means a request took the server down.
+OVERLOAD_CODES = frozenset({"server_overloaded", "out_of_memory"})
 
 
 def leaks(text: str) -> list[str]:
@@ -158,8 +162,10 @@ def check_error_body(reply: Reply) -> list[str]:
     return problems
 
 
-def check_reply(req: Optional[HostileRequest], reply: Reply, *, allow_stream_errors: bool = False) -> list[str]:
-    """Everything wrong with one response (empty list: fine)."""
+def check_reply(req: Optional[HostileRequest], reply: Reply, *, allow_stream_errors: bool = False,
+                busy_codes: Optional[frozenset] = OVERLOAD_CODES) -> list[str]:
+    """Everything wrong with one response (empty list: fine). A 503 must carry Retry-After and,
+    unless `busy_codes` is None, one of those error codes."""
     if reply.status is None:
         return [f"no response: {reply.transport_error}"]
     problems = []
@@ -171,6 +177,9 @@ def check_reply(req: Optional[HostileRequest], reply: Reply, *, allow_stream_err
         problems.append("422 (the contract: invalid input is 400)")
     if s >= 500 and not (s == 503 and _retry_after_ok(reply.headers)):
         problems.append(f"server error {s}" + (" (503 without a valid Retry-After)" if s == 503 else ""))
+    elif s == 503 and busy_codes is not None and _error_code(reply) not in busy_codes:
+        problems.append(f"server error 503 of a server that is down (code {_error_code(reply)!r}, not one of "
+                        f"{sorted(busy_codes)})")
     if req is not None and req.expect is not None and s not in req.expect:
         problems.append(f"status {s}, expected {sorted(req.expect)}")
     if s >= 400:
@@ -198,6 +207,14 @@ def check_reply(req: Optional[HostileRequest], reply: Reply, *, allow_stream_err
                 if not allow_stream_errors:
                     problems.append(f"error event in a 200 stream: {text[:300]!r}")
     return problems
+
+
+def _error_code(reply: Reply) -> Any:
+    try:
+        err = json.loads(reply.body).get("error")
+        return err.get("code") if isinstance(err, dict) else None
+    except (ValueError, AttributeError, RecursionError):
+        return None
 
 
 def _retry_after_ok(headers: dict) -> bool:
@@ -713,7 +730,12 @@ class HostileGenerator:
 
 
 def _server_failed(reply: Reply) -> bool:
-    return reply.status is None or (reply.status >= 500 and not (reply.status == 503 and _retry_after_ok(reply.headers)))
+    """No answer, a 5xx, or a 503 that is not "busy, retry" (see OVERLOAD_CODES)."""
+    if reply.status is None:
+        return True
+    if reply.status == 503:
+        return not (_retry_after_ok(reply.headers) and _error_code(reply) in OVERLOAD_CODES)
+    return reply.status >= 500
 
 
 def run_requests(base_url: str, model: str, reqs: list[HostileRequest], concurrency: int = 4, timeout: float = 60.0,
@@ -771,7 +793,7 @@ def summarize_fuzz(results, alive: tuple[bool, str], max_examples: int = 40) -> 
         statuses[str(reply.status)] = statuses.get(str(reply.status), 0) + 1
         if reply.status is None:
             transport += 1
-        elif reply.status >= 500 and not (reply.status == 503 and _retry_after_ok(reply.headers)):
+        elif _server_failed(reply):
             n5xx += 1
         if any(p.startswith("leaked") for p in problems):
             leak_count += 1
@@ -934,7 +956,8 @@ def classify_generation(reply: Reply, max_tokens: Optional[int] = None) -> tuple
     """("completed" | "rejected" | "lost", detail) for a generation request.
 
     completed: 200 with every choice finished ("length"/"stop"), a stream ending in [DONE] with no
-    error event; rejected: 429, or 503 + Retry-After, in OpenAI's shape; lost: anything else."""
+    error event; rejected: 429, or 503 + Retry-After with a "busy" code (OVERLOAD_CODES), in OpenAI's
+    shape; lost: anything else (a 503 of an engine that is down included)."""
     if reply.status is None:
         return "lost", f"no response: {reply.transport_error}"
     problems = check_reply(None, reply)

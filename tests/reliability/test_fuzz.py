@@ -2,8 +2,9 @@
 catalog of every class of hostile input issue 15 lists (one test per class, each request with the
 statuses that are right for it), then seeded random mutations of valid bodies for every endpoint.
 
-Every response: no 5xx but 503 + Retry-After, 4xx/5xx in OpenAI's error shape with a one-line
-message, 422 never, no leaked internals, an x-request-id; afterwards the app serves. A request after
+Every response: no 5xx but a "busy" 503 + Retry-After (queue full, OOM: not an engine that is
+down), 4xx/5xx in OpenAI's error shape with a one-line message, 422 never, no leaked internals, an
+x-request-id; afterwards the app serves. A request after
 which the app stopped serving is named as such (the runner waits for the app to serve again, so
 the requests after it are judged on their own)."""
 from __future__ import annotations

@@ -56,8 +56,12 @@ def test_checker_flags_what_the_contract_forbids():
         assert name in problems
     assert "422" in " ".join(H.check_reply(None, H.Reply(422, {"x-request-id": "r"}, ok.body, 0)))
     assert "no x-request-id" in " ".join(H.check_reply(None, H.Reply(400, {}, ok.body, 0)))
-    retry = H.Reply(503, {"x-request-id": "r", "retry-after": "1", "content-type": "application/json"}, ok.body, 0)
+    busy = b'{"error": {"message": "full", "type": "server_overloaded", "param": null, "code": "server_overloaded"}}'
+    retry = H.Reply(503, {"x-request-id": "r", "retry-after": "1", "content-type": "application/json"}, busy, 0)
     assert H.check_reply(None, retry) == []
+    dead = H.Reply(503, retry.headers, busy.replace(b'"code": "server_overloaded"', b'"code": "engine_dead"'), 0)
+    assert "a server that is down" in " ".join(H.check_reply(None, dead))
+    assert H.classify_generation(dead)[0] == "lost" and H.classify_generation(retry)[0] == "rejected"
     stream = H.Reply(200, {"x-request-id": "r", "content-type": "text/event-stream"},
                      b'data: {"choices": []}\n\ndata: {"error": {"message": "x"}}\n\n', 0)
     problems = " ".join(H.check_reply(None, stream))
