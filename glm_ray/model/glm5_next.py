@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from glm_ray.config import ModelConfig
-from glm_ray.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from glm_ray.layers.embedding import VocabParallelEmbedding
 from glm_ray.layers.kda import KimiDeltaAttention
 from glm_ray.layers.mhc import HyperConnection
 from glm_ray.layers.mla import MLAAttention
 from glm_ray.layers.norm import RMSNorm
 from glm_ray.forward_batch import ForwardBatch
-from glm_ray.model.glm_moe_dsa import GlmMoeDsaForCausalLM, _lm_head_quant, make_mlp
+from glm_ray.model.base import CausalLM, make_mlp
 
 # KDA layer index -> (conv_state [S, K-1, 3·H·dk], recurrent state [S, H, dk, dv] fp32)
 StateCaches = dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -86,16 +86,13 @@ class Glm5NextTextModel(nn.Module):
         return self.norm(streams.mean(1))                                       # [T, D]
 
 
-class Glm5NextForCausalLM(GlmMoeDsaForCausalLM):
+class Glm5NextForCausalLM(CausalLM):
     """The text model of a GLM-5.3-Flash checkpoint, with our engine's forward signature."""
 
     def __init__(self, cfg: ModelConfig, quant_config, params_dtype: torch.dtype, tp: int = 1):
-        nn.Module.__init__(self)
-        self.cfg = cfg
+        super().__init__(cfg, params_dtype, tp)
         self.model = nn.Module()
         self.model.language_model = Glm5NextTextModel(cfg, quant_config, params_dtype, tp)
-        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, quant_config=_lm_head_quant(quant_config),
-                                      prefix="lm_head", params_dtype=params_dtype, tp=tp)
 
     def ignores_checkpoint_tensor(self, name: str) -> bool:
         """Not served: the vision tower, and the MTP layer(s) after the last decoder layer."""
@@ -107,8 +104,6 @@ class Glm5NextForCausalLM(GlmMoeDsaForCausalLM):
     def forward(self, input_ids, batch, kv_caches, index_caches, state_caches=None) -> torch.Tensor:
         return self.model.language_model(input_ids, batch, kv_caches, index_caches, state_caches or {})
 
-    def checkpoint_params(self):
-        out = {}
-        for name, entry in super().checkpoint_params().items():
-            out[re.sub(r"\.(hc_attn|hc_ffn)\.(fn|base|scale)$", r".\1_\2", name)] = entry
-        return out
+    def checkpoint_name(self, name: str) -> str:
+        """mHC parameters are flat on disk: `...hc_attn.fn` is stored as `...hc_attn_fn`."""
+        return re.sub(r"\.(hc_attn|hc_ffn)\.(fn|base|scale)$", r".\1_\2", name)

@@ -16,7 +16,7 @@ from glm_ray.kernels.torch_ref.quant_ops import MoEQuantLayout
 from glm_ray.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.layer_contracts import GateMode, MoEContract
 from glm_ray.layers.moe import FusedMoE, MoE
-from glm_ray.model.glm_moe_dsa import _checkpoint_names
+from glm_ray.model.base import _checkpoint_names
 from glm_ray.model.tiny import bundled_config
 from glm_ray.quant.config import UnsupportedQuantSchemeError, parse_quant_config
 from glm_ray.quant.dispatch import SpecQuantConfig
