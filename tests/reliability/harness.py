@@ -28,7 +28,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 from urllib.parse import urlsplit
 
 import requests
@@ -760,7 +760,6 @@ def run_requests(base_url: str, model: str, reqs: list[HostileRequest], concurre
         if _server_failed(reply) and recovering.acquire(blocking=False):
             gate.clear()
             try:
-                t0 = time.monotonic()
                 ok, _ = is_healthy(base_url, model)
                 if not ok:
                     try:
@@ -1597,8 +1596,7 @@ def _short(body: Any, limit: int = 300) -> str:
 
 
 def run_schemathesis(base_url: str, max_examples: int = 10, seed: int = 0, timeout: float = 60.0) -> dict:
-    import requests as _rq
-    schema_doc = _rq.get(base_url.rstrip("/") + "/openapi.json", timeout=30).json()
+    schema_doc = requests.get(base_url.rstrip("/") + "/openapi.json", timeout=30).json()
     schema = load_schema(base_url)
     ops = []
     for res in schema.get_all_operations():
