@@ -9,7 +9,12 @@ import signal
 import sys
 import time
 
-from glm_ray import __version__
+from glm_ray import __version__, envs
+from glm_ray.bench import cli as bench_cli
+from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.model import quantize
+from glm_ray.model.tiny import bundled_config, default_tiny_model, write_tiny
+from glm_ray.serve.args import ServeArgs
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -55,7 +60,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_make_tiny(a) -> int:
-    from glm_ray.model.tiny import bundled_config, write_tiny
     cfg = bundled_config(a.config) if a.config and not os.path.isfile(a.config) else None
     if a.config and os.path.isfile(a.config):
         with open(a.config) as f:
@@ -63,14 +67,13 @@ def cmd_make_tiny(a) -> int:
     if a.quant == "bf16":
         out = write_tiny(a.dir, cfg, seed=a.seed)
     else:
-        from glm_ray.model.quantize import make_tiny_quantized
-        out = make_tiny_quantized(a.dir, a.quant, cfg, seed=a.seed)
+        out = quantize.make_tiny_quantized(a.dir, a.quant, cfg, seed=a.seed)
     print(f"wrote {out}")
     return 0
 
 
 def cmd_generate(a) -> int:
-    from glm_ray import LLM, SamplingParams
+    from glm_ray.llm import LLM     # deferred: ray (the executor)
     llm = LLM(a.model, tensor_parallel_size=a.tp, device=a.device, dtype=a.dtype, load_format=a.load_format,
               kernel_backend=a.kernel_backend, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
@@ -129,7 +132,6 @@ def _url_host(host: str) -> str:
 
 
 def cmd_serve(a) -> int:
-    from glm_ray.serve.args import ServeArgs
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     app_args = serve_app_args(a)
     sa = ServeArgs.from_dict(app_args)          # bad flags fail here, before Ray starts
@@ -145,9 +147,8 @@ def cmd_serve(a) -> int:
         from ray._private import ray_constants
         ray_constants.ENABLE_RAY_CLUSTER = False    # in case something imported ray before the line above
     from ray import serve
-    from glm_ray.serve.app import build_app
+    from glm_ray.serve.app import build_app     # deferred: imports ray, after the loopback setting above
     if sa.model == "tiny":                      # write the cache once here, not in two replicas at once
-        from glm_ray.model.tiny import default_tiny_model
         default_tiny_model()
     if a.address:
         ray.init(address=a.address)
@@ -243,16 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8: DeepSeek-style block FP8; mxfp4: Quark MXFP4 experts + block-FP8 MTP layer")
     p.set_defaults(func=cmd_make_tiny)
 
-    from glm_ray.model import quantize
     quantize.add_parser(sub)
-
-    from glm_ray.bench import cli as bench_cli
     bench_cli.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("GLM_RAY_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.LOG_LEVEL.get(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = build_parser().parse_args(argv)
     return a.func(a) or 0

@@ -103,9 +103,14 @@ ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_TH
                            TIME_COLLECTIVES, TORCH_OPS, CUDA_FP8_GEMM, FAULT_INJECTION, LOG_LEVEL)
 
 
+# Not forwarded to the rank actors: they do not use it, and Ray records an actor's runtime_env in its logs.
+_NOT_FORWARDED = frozenset({API_KEY.name})
+
+
 def forwarded() -> dict[str, str]:
-    """The GLM_RAY_* variables set in this process (what the worker group forwards to its ranks)."""
-    return {k: v for k, v in os.environ.items() if k.startswith("GLM_RAY_")}
+    """The GLM_RAY_* variables set in this process that the worker group forwards to its ranks (all but
+    the API key)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("GLM_RAY_") and k not in _NOT_FORWARDED}
 
 
 def table() -> str:

@@ -37,6 +37,11 @@ DEFERRED = {
     ("glm_ray.worker.worker_group", "glm_ray.worker.worker"): "the model stack loads in each rank's actor, "
                                                               "not in the Router's process",
     ("glm_ray.bench.cli", "glm_ray.bench.client"): "aiohttp (the `bench` extra), only to run a benchmark",
+    ("glm_ray.cli", "glm_ray.llm"): "ray (the executor), only for `glm-ray generate`",
+    ("glm_ray.cli", "glm_ray.serve.app"): "ray, imported after `glm-ray serve` made its loopback setting",
+    ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.triton_kernels"): "triton, only on the cuda backend",
+    ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.mhc"): "triton, only on the cuda backend",
+    ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.kda"): "triton, only on the cuda backend",
 }
 
 

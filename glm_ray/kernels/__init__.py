@@ -8,80 +8,22 @@ device/arch and is logged once.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
-import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from typing import Callable
 
+import torch
+
+from glm_ray import envs
+from glm_ray.kernels import aiter, cuda
+from glm_ray.kernels.table import KernelOps
+from glm_ray.kernels.torch_ref import attention, block_fp8_linear, fused_moe, indexer, kda
+from glm_ray.kernels.torch_ref import quant_ops as q
+from glm_ray.kernels.torch_ref.mhc import mhc_coefficients
+from glm_ray.kernels.torch_ref.moe import swiglu
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class KernelOps:
-    name: str
-    # y[T, N] = dequant(x)[T, K] @ dequant(w)[N, K].T ; w e4m3 [N, K], w_scale_inv fp32 [ceil(N/bn), ceil(K/bk)]
-    block_fp8_linear: Callable
-    # routed experts; x [T, D], w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I], topk_* [T, K] -> [T, D]
-    fused_moe: Callable
-    # --- quantized paths (torch references in kernels/torch_ref/quant_ops.py document the contracts) ---
-    # (w, scale_inv, block) -> (w', scale_inv', meta): runtime layout of a block-FP8 linear; `meta` (e.g.
-    # {"preshuffled": True}) is forwarded as kwargs to block_fp8_linear by the method that called it
-    block_fp8_linear_prepare: Callable | None = None
-    # (kind "fp8_block"|"mxfp4", num_experts, hidden, inter, block) -> MoEQuantLayout(hidden_pad, intermediate_pad,
-    # unsupported reason): what this backend's quantized MoE runner needs, asked at model construction
-    moe_quant_layout: Callable | None = None
-    # (kind, w13, w13_scale, w2, w2_scale) -> (w13', w13_scale', w2', w2_scale', meta): preshuffle etc.
-    moe_quant_prepare: Callable | None = None
-    # block-FP8 W8A8 experts: x [T, D], w13 e4m3 [E, 2I', D'], w13_scale_inv [E, 2*ceil(I'/bn), ceil(D'/bk)],
-    # w2 e4m3 [E, D', I'], w2_scale_inv [E, ceil(D'/bn), ceil(I'/bk)] (D' = D + hidden_pad, I' = I + intermediate_pad)
-    fused_moe_block_fp8: Callable | None = None
-    # MXFP4 W4A4 experts: packed uint8 w13 [E, 2I', D'/2] + e8m0 [E, 2I', D'/32], w2 [E, D', I'/2] + [E, D', I'/32]
-    fused_moe_mxfp4: Callable | None = None
-    # dense MXFP4 W4A4 linear: x [..., K], w uint8 [N, K/2], w_scale uint8 [N, K/32], act_mode -> [..., N]
-    mxfp4_linear: Callable | None = None
-    # mHC (GLM-5.3-Flash): (m [T, (2+n)n] fp32, base, scale [3], n, eps, iters) -> pre [T, n], post [T, n],
-    # comb [T, n, n]: sigmoid weights and the softmax + Sinkhorn recombination (kernels/torch_ref/mhc.py)
-    mhc_coefficients: Callable | None = None
-    # KDA decode step against the state cache (GLM-5.3-Flash): (q, k, g [B, H, dk], v [B, H, dv], beta [B, H],
-    # state [S, H, dk, dv] fp32 updated in place at slots [B], fresh [B] bool) -> o [B, H, dv]
-    # (the recurrent form; there is no separate `kda_recurrent` op: decode is its only caller)
-    kda_decode: Callable | None = None
-    # --- attention, indexer, linear attention (references: kernels/torch_ref/{attention,indexer,kda}.py) ---
-    # Common to the group ops: `group` is one `AttnGroup` of the step (forward_batch.py): q_index /
-    # q_valid [B, Qmax] (queries gathered from the step's packed rows T), kv_slots [B, Kmax] (flat cache
-    # slot of every context position; block = slot // block_size), causal [B, Qmax, Kmax]. Row inputs are
-    # [T, ...] for the whole step (the op reads its group's rows); outputs are the group's rows [Tg, ...]
-    # in q_valid order (= group.token_index). `selection`: None = dense causal, else a bool mask
-    # [B, Qmax, Kmax] (DSA selection AND causal). `max_bytes` bounds the op's transient memory (the
-    # reference walks key / query tiles above it; a kernel that needs no workspace ignores it).
-    #
-    # MLA naive (expanded) form, prefill groups: (q [T, h, dn+dr] nope|roped, kv_cache [S, r+dr] latent
-    # rows [c | k_pe], group, selection, kv_b: latents [N, r] -> [N, h*(dn+dv)] (the layer's kv_b_proj,
-    # any quant method), *, kv_lora_rank r, v_head_dim dv, scale, max_bytes) -> o [Tg, h, dv]
-    mla_prefill: Callable | None = None
-    # MLA absorbed form (latent MQA, one KV head = the cache row, value = its first r dims), decode
-    # groups (any group when mla_mode forces it, so Qmax may exceed 1): (q [T, h, r+dr] W_UK-absorbed |
-    # roped, kv_cache [S, r+dr], group, selection, *, kv_lora_rank r, scale, max_bytes) -> o_lat [Tg, h, r]
-    # (the layer unfolds W_UV). A paged kernel reads the cache rows through group.kv_slots (a page table
-    # of page size 1; AttnGroup has no block table or device context lengths yet) and the selection.
-    mla_decode: Callable | None = None
-    # DSA lightning indexer scoring + top-k (GLM-5): (qi [T, Hi, di] fp32, w [T, Hi] fp32 head weights,
-    # key_cache [S, di], group, topk, *, max_bytes) -> selection [B, Qmax, Kmax] bool (top-k AND causal)
-    indexer_topk: Callable | None = None
-    # k-pool indexer (GLM-5.3-Flash): (qi [T, Hi, di] fp32, w [T, Hi] fp32, key_cache [S, 2di] rows [ki | gi],
-    # group, ape [kpool, di] fp32, *, kpool, pool_topk, tail, max_bytes) -> selection [B, Qmax, Kmax] bool
-    indexer_kpool_topk: Callable | None = None
-    # KDA short conv against the conv-state cache: (x [B, L, C] padded group view, weight [C, K] fp32,
-    # lengths [B], conv_state [S, K-1, C] updated in place at slots [B], fresh [B] bool) -> y [B, L, C]
-    # (depthwise causal conv + SiLU; rows past lengths are garbage)
-    causal_conv1d: Callable | None = None
-    # KDA chunked form against the state cache: (q, k, g [B, L, H, dk], v [B, L, H, dv], beta [B, L, H]
-    # (padding rows k = v = g = beta = 0), state [S, H, dk, dv] fp32 updated in place at slots [B], fresh [B]
-    # bool) -> o [B, L, H, dv]
-    kda_chunked: Callable | None = None
-    # SwiGLU activation: (gate [..., I], up [..., I], limit float | None) -> silu(gate) * up, or the clamped
-    # form silu(min(gate, L)) * clamp(up, -L, L) (dense MLP / shared experts; the MoE ops apply their own)
-    swiglu: Callable | None = None
 
 
 _REGISTRY: dict[str, Callable[[], KernelOps]] = {}
@@ -96,11 +38,6 @@ def register(name: str):
 
 
 def _torch_ops() -> KernelOps:
-    from glm_ray.kernels.torch_ref import block_fp8_linear, fused_moe
-    from glm_ray.kernels.torch_ref import quant_ops as q
-    from glm_ray.kernels.torch_ref import attention, indexer, kda
-    from glm_ray.kernels.torch_ref.mhc import mhc_coefficients
-    from glm_ray.kernels.torch_ref.moe import swiglu
     return KernelOps(name="torch", block_fp8_linear=block_fp8_linear, fused_moe=fused_moe,
                      block_fp8_linear_prepare=q.block_fp8_linear_prepare, moe_quant_layout=q.moe_quant_layout,
                      moe_quant_prepare=q.moe_quant_prepare, fused_moe_block_fp8=q.fused_moe_block_fp8,
@@ -112,19 +49,16 @@ def _torch_ops() -> KernelOps:
 
 
 def _aiter_ops() -> KernelOps:
-    # NOTE: imports the `aiter` package only here, i.e. only when this backend is selected.
-    from glm_ray.kernels.aiter import make_ops
-    return make_ops()
+    # NOTE: make_ops imports the `aiter` package, i.e. only when this backend is selected.
+    return aiter.make_ops()
 
 
 def _cuda_ops() -> KernelOps:
-    # NOTE: imports triton only here (inside make_ops), i.e. only when this backend is selected.
-    from glm_ray.kernels.cuda import make_ops
-    return make_ops()
+    # NOTE: make_ops imports triton, i.e. only when this backend is selected.
+    return cuda.make_ops()
 
 
 def _module_available(name: str) -> bool:
-    import importlib.util
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
@@ -140,7 +74,6 @@ def resolve_backend_name(name: str, device_type: str) -> str:
     if name != "auto":
         return name
     if device_type == "cuda":
-        import torch
         if getattr(torch.version, "hip", None):
             return "aiter" if "aiter" in _REGISTRY and _module_available("aiter") else "torch"
         return "cuda" if "cuda" in _REGISTRY else "torch"
@@ -158,7 +91,7 @@ def init_backend(name: str = "auto", device_type: str = "cpu") -> KernelOps:
     # Inherit anything the backend does not override from the torch reference; GLM_RAY_TORCH_OPS
     # (comma-separated op names) sends chosen ops to the reference too: A/B of one kernel in a run.
     op_names = {f.name for f in fields(KernelOps)} - {"name"}
-    forced = {n.strip() for n in os.environ.get("GLM_RAY_TORCH_OPS", "").split(",") if n.strip()}
+    forced = set(envs.TORCH_OPS.get())
     if forced - op_names:
         raise ValueError(f"GLM_RAY_TORCH_OPS: unknown op(s) {sorted(forced - op_names)}; known: {sorted(op_names)}")
     take = {n: getattr(base, n) for n in op_names if n in forced or getattr(ops, n) is None}
@@ -166,6 +99,9 @@ def init_backend(name: str = "auto", device_type: str = "cpu") -> KernelOps:
     logger.info("kernel backend: %s (requested %s, device %s)%s", _ACTIVE.name, name, device_type,
                 f"; torch reference for {sorted(forced)}" if forced else "")
     return _ACTIVE
+
+
+__all__ = ["KernelOps", "init_backend", "ops", "register", "resolve_backend_name"]
 
 
 def ops() -> KernelOps:

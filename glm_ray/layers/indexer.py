@@ -19,6 +19,7 @@ from glm_ray.layers.linear import ReplicatedLinear
 from glm_ray.layers.norm import LayerNorm
 from glm_ray.layers.rotary import RopeCache, apply_rope
 from glm_ray.forward_batch import AttnGroup, ForwardBatch
+from glm_ray.quant import Unquantized
 
 
 # Bound on one scoring tile (per-head scores, gathered keys) of the selection, passed to the kernel op
@@ -38,7 +39,6 @@ class Indexer(nn.Module):
                                    prefix=f"{prefix}.wk", params_dtype=params_dtype)
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6, dtype=params_dtype)
         # NOTE: weights_proj stays fp32 and unquantized in every GLM checkpoint.
-        from glm_ray.quant import Unquantized
         self.weights_proj = ReplicatedLinear(cfg.hidden_size, self.n_heads, quant_config=Unquantized(),
                                              prefix=f"{prefix}.weights_proj", params_dtype=torch.float32)
 

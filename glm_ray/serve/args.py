@@ -18,7 +18,10 @@ import types
 import typing
 from dataclasses import asdict, dataclass, fields
 
-API_KEY_ENV = "GLM_RAY_API_KEY"
+from glm_ray import envs
+from glm_ray.model.tiny import resolve_model
+
+API_KEY_ENV = envs.API_KEY.name
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -32,10 +35,6 @@ CHOICES = {
     "load_format": ("auto", "dummy"),
     "kernel_backend": ("auto", "torch", "cuda", "aiter"),
 }
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in _TRUE
 
 
 @dataclass(frozen=True, repr=False)
@@ -71,10 +70,10 @@ class ServeArgs:
             raise ValueError(f"unknown glm-ray app argument(s) {unknown}; known: {sorted(known)}")
         hints = _field_types(cls)
         d = {k: _coerce(k, hints[k], v) for k, v in d.items()}
-        if "fp8_proj_gemm" not in d and _env_flag("GLM_RAY_FP8_PROJ_GEMM"):
+        if "fp8_proj_gemm" not in d and envs.FP8_PROJ_GEMM.get():
             d["fp8_proj_gemm"] = True
         if not d.get("api_key"):
-            d["api_key"] = os.environ.get(API_KEY_ENV) or None
+            d["api_key"] = envs.API_KEY.get()
         args = cls(**d)
         args._validate()
         return args
@@ -99,7 +98,6 @@ class ServeArgs:
         need(self.router_cpus >= 0, "router_cpus", ">= 0")
 
     def resolved_model(self) -> str:
-        from glm_ray.model.tiny import resolve_model
         return resolve_model(self.model)
 
     def model_name(self) -> str:

@@ -42,6 +42,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from glm_ray.kernels.table import KernelOps
 from glm_ray.kernels.torch_ref import quant_ops as ref
 from glm_ray.kernels.torch_ref.aiter_layout import unshuffle_weight, x_scale_to_col_major
 from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
@@ -202,7 +203,6 @@ class AiterKernels:
 
 def make_ops(aiter_module=None):
     """KernelOps for the aiter backend (fields it does not set are inherited from torch)."""
-    from glm_ray.kernels import KernelOps
     k = AiterKernels(aiter_module)
     return KernelOps(name="aiter", block_fp8_linear=k.block_fp8_linear, fused_moe=None,
                      block_fp8_linear_prepare=k.block_fp8_linear_prepare, moe_quant_layout=k.moe_quant_layout,

@@ -36,16 +36,19 @@ K at load time (never during CUDA-graph capture).
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 
 import torch
 import torch.nn.functional as F
 
+from glm_ray import envs
 from glm_ray.kernels.cuda import layout as L
 from glm_ray.kernels.torch_ref import fused_moe as ref_fused_moe
+from glm_ray.kernels.table import KernelOps
 from glm_ray.kernels.torch_ref import quant_ops as ref
 from glm_ray.kernels.torch_ref.fp8 import FP8_DTYPE
+from glm_ray.kernels.torch_ref.kda import kda_decode as ref_kda_decode
+from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref_mhc
 from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
 from glm_ray.kernels.torch_ref.fp8 import per_token_group_quant_fp8
 from glm_ray.kernels.torch_ref.mxfp4 import canonical_scale_mode
@@ -66,9 +69,9 @@ class CudaKernels:
     def __init__(self, fp8_gemm: str | None = None):
         self._warned: set[str] = set()
         self.fallbacks: Counter = Counter()
-        self.fp8_gemm = fp8_gemm or os.environ.get("GLM_RAY_CUDA_FP8_GEMM", "scaled_mm")
+        self.fp8_gemm = fp8_gemm or envs.CUDA_FP8_GEMM.get()
         if self.fp8_gemm not in ("scaled_mm", "triton"):
-            raise ValueError(f"GLM_RAY_CUDA_FP8_GEMM={self.fp8_gemm!r}: expected 'scaled_mm' or 'triton'")
+            raise ValueError(f"{envs.CUDA_FP8_GEMM.name}={self.fp8_gemm!r}: expected 'scaled_mm' or 'triton'")
         self._selfcheck: dict[tuple, bool] = {}
         self.broken: dict[str, str] = {}                             # op -> first kernel error
         self._sm: dict[int, tuple[int, int]] = {}
@@ -335,19 +338,17 @@ class CudaKernels:
 
     # ---- mHC mixing coefficients (GLM-5.3-Flash) ---------------------------------------------------
     def mhc_coefficients(self, m, base, scale, n: int, eps: float, iters: int):
-        from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref
         reason = self._gpu_reason(m, 70, need_triton=True) or (f"hc_mult {n} is not a power of 2" if n & (n - 1)
                                                                    else None)
         if reason is not None:
             self._fallback("mhc_coefficients", reason)
-            return ref(m, base, scale, n, eps, iters)
+            return ref_mhc(m, base, scale, n, eps, iters)
         from glm_ray.kernels.cuda.mhc import mhc_coefficients as fast   # noqa: PLC0415 (imports triton)
         return self._guarded("mhc_coefficients", lambda: fast(m, base, scale, n, eps, iters),
-                             lambda: ref(m, base, scale, n, eps, iters))
+                             lambda: ref_mhc(m, base, scale, n, eps, iters))
 
     # ---- KDA decode step (GLM-5.3-Flash) ----------------------------------------------------------
     def kda_decode(self, q, k, v, g, beta, state, slots, fresh):
-        from glm_ray.kernels.torch_ref.kda import kda_decode as ref
         args = (q, k, v, g, beta, state, slots, fresh)
         dk = k.shape[-1]
         reason = (self._gpu_reason(q, 70, need_triton=True)
@@ -355,15 +356,14 @@ class CudaKernels:
                   or (f"state dtype {state.dtype} (needs float32)" if state.dtype != torch.float32 else None))
         if reason is not None:
             self._fallback("kda_decode", reason)
-            return ref(*args)
+            return ref_kda_decode(*args)
         from glm_ray.kernels.cuda.kda import kda_decode as fast          # noqa: PLC0415 (imports triton)
         # NOTE: the kernel writes the state in place; a failure before any store leaves it intact
-        return self._guarded("kda_decode", lambda: fast(*args), lambda: ref(*args))
+        return self._guarded("kda_decode", lambda: fast(*args), lambda: ref_kda_decode(*args))
 
 
 def make_ops(fp8_gemm: str | None = None):
     """KernelOps for the cuda backend (moe_quant_layout / moe_quant_prepare are inherited from torch)."""
-    from glm_ray.kernels import KernelOps
     k = CudaKernels(fp8_gemm)
     return KernelOps(name="cuda", block_fp8_linear=k.block_fp8_linear, fused_moe=k.fused_moe,
                      block_fp8_linear_prepare=k.block_fp8_linear_prepare, fused_moe_block_fp8=k.fused_moe_block_fp8,

@@ -1,0 +1,77 @@
+"""`KernelOps`: the table of kernel entry points a backend fills, each with its shape contract.
+
+Its own module so the backends (kernels/cuda, kernels/aiter) can build a table without importing the
+registry (kernels/__init__.py), which imports them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    name: str
+    # y[T, N] = dequant(x)[T, K] @ dequant(w)[N, K].T ; w e4m3 [N, K], w_scale_inv fp32 [ceil(N/bn), ceil(K/bk)]
+    block_fp8_linear: Callable
+    # routed experts; x [T, D], w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I], topk_* [T, K] -> [T, D]
+    fused_moe: Callable
+    # --- quantized paths (torch references in kernels/torch_ref/quant_ops.py document the contracts) ---
+    # (w, scale_inv, block) -> (w', scale_inv', meta): runtime layout of a block-FP8 linear; `meta` (e.g.
+    # {"preshuffled": True}) is forwarded as kwargs to block_fp8_linear by the method that called it
+    block_fp8_linear_prepare: Callable | None = None
+    # (kind "fp8_block"|"mxfp4", num_experts, hidden, inter, block) -> MoEQuantLayout(hidden_pad, intermediate_pad,
+    # unsupported reason): what this backend's quantized MoE runner needs, asked at model construction
+    moe_quant_layout: Callable | None = None
+    # (kind, w13, w13_scale, w2, w2_scale) -> (w13', w13_scale', w2', w2_scale', meta): preshuffle etc.
+    moe_quant_prepare: Callable | None = None
+    # block-FP8 W8A8 experts: x [T, D], w13 e4m3 [E, 2I', D'], w13_scale_inv [E, 2*ceil(I'/bn), ceil(D'/bk)],
+    # w2 e4m3 [E, D', I'], w2_scale_inv [E, ceil(D'/bn), ceil(I'/bk)] (D' = D + hidden_pad, I' = I + intermediate_pad)
+    fused_moe_block_fp8: Callable | None = None
+    # MXFP4 W4A4 experts: packed uint8 w13 [E, 2I', D'/2] + e8m0 [E, 2I', D'/32], w2 [E, D', I'/2] + [E, D', I'/32]
+    fused_moe_mxfp4: Callable | None = None
+    # dense MXFP4 W4A4 linear: x [..., K], w uint8 [N, K/2], w_scale uint8 [N, K/32], act_mode -> [..., N]
+    mxfp4_linear: Callable | None = None
+    # mHC (GLM-5.3-Flash): (m [T, (2+n)n] fp32, base, scale [3], n, eps, iters) -> pre [T, n], post [T, n],
+    # comb [T, n, n]: sigmoid weights and the softmax + Sinkhorn recombination (kernels/torch_ref/mhc.py)
+    mhc_coefficients: Callable | None = None
+    # KDA decode step against the state cache (GLM-5.3-Flash): (q, k, g [B, H, dk], v [B, H, dv], beta [B, H],
+    # state [S, H, dk, dv] fp32 updated in place at slots [B], fresh [B] bool) -> o [B, H, dv]
+    # (the recurrent form; there is no separate `kda_recurrent` op: decode is its only caller)
+    kda_decode: Callable | None = None
+    # --- attention, indexer, linear attention (references: kernels/torch_ref/{attention,indexer,kda}.py) ---
+    # Common to the group ops: `group` is one `AttnGroup` of the step (forward_batch.py): q_index /
+    # q_valid [B, Qmax] (queries gathered from the step's packed rows T), kv_slots [B, Kmax] (flat cache
+    # slot of every context position; block = slot // block_size), causal [B, Qmax, Kmax]. Row inputs are
+    # [T, ...] for the whole step (the op reads its group's rows); outputs are the group's rows [Tg, ...]
+    # in q_valid order (= group.token_index). `selection`: None = dense causal, else a bool mask
+    # [B, Qmax, Kmax] (DSA selection AND causal). `max_bytes` bounds the op's transient memory (the
+    # reference walks key / query tiles above it; a kernel that needs no workspace ignores it).
+    #
+    # MLA naive (expanded) form, prefill groups: (q [T, h, dn+dr] nope|roped, kv_cache [S, r+dr] latent
+    # rows [c | k_pe], group, selection, kv_b: latents [N, r] -> [N, h*(dn+dv)] (the layer's kv_b_proj,
+    # any quant method), *, kv_lora_rank r, v_head_dim dv, scale, max_bytes) -> o [Tg, h, dv]
+    mla_prefill: Callable | None = None
+    # MLA absorbed form (latent MQA, one KV head = the cache row, value = its first r dims), decode
+    # groups (any group when mla_mode forces it, so Qmax may exceed 1): (q [T, h, r+dr] W_UK-absorbed |
+    # roped, kv_cache [S, r+dr], group, selection, *, kv_lora_rank r, scale, max_bytes) -> o_lat [Tg, h, r]
+    # (the layer unfolds W_UV). A paged kernel reads the cache rows through group.kv_slots (a page table
+    # of page size 1; AttnGroup has no block table or device context lengths yet) and the selection.
+    mla_decode: Callable | None = None
+    # DSA lightning indexer scoring + top-k (GLM-5): (qi [T, Hi, di] fp32, w [T, Hi] fp32 head weights,
+    # key_cache [S, di], group, topk, *, max_bytes) -> selection [B, Qmax, Kmax] bool (top-k AND causal)
+    indexer_topk: Callable | None = None
+    # k-pool indexer (GLM-5.3-Flash): (qi [T, Hi, di] fp32, w [T, Hi] fp32, key_cache [S, 2di] rows [ki | gi],
+    # group, ape [kpool, di] fp32, *, kpool, pool_topk, tail, max_bytes) -> selection [B, Qmax, Kmax] bool
+    indexer_kpool_topk: Callable | None = None
+    # KDA short conv against the conv-state cache: (x [B, L, C] padded group view, weight [C, K] fp32,
+    # lengths [B], conv_state [S, K-1, C] updated in place at slots [B], fresh [B] bool) -> y [B, L, C]
+    # (depthwise causal conv + SiLU; rows past lengths are garbage)
+    causal_conv1d: Callable | None = None
+    # KDA chunked form against the state cache: (q, k, g [B, L, H, dk], v [B, L, H, dv], beta [B, L, H]
+    # (padding rows k = v = g = beta = 0), state [S, H, dk, dv] fp32 updated in place at slots [B], fresh [B]
+    # bool) -> o [B, L, H, dv]
+    kda_chunked: Callable | None = None
+    # SwiGLU activation: (gate [..., I], up [..., I], limit float | None) -> silu(gate) * up, or the clamped
+    # form silu(min(gate, L)) * clamp(up, -L, L) (dense MLP / shared experts; the MoE ops apply their own)
+    swiglu: Callable | None = None
