@@ -87,7 +87,6 @@ def bench_dense(ck, ms, rows, triton_ms):
                 rows.append(row("dense", name, "fp8_triton", m, bench_ms(
                     lambda: ck.tk.dense_gemm_triton(xq2, w, w_mode="fp8", a_scale=xs2, w_scale=s)), fl,
                     n * k + m * k + 2 * m * n, CEIL["fp8_tflops"]))
-            del x
 
 
 def bench_moe(ck, ts, rows, fmts):
@@ -112,7 +111,7 @@ def bench_moe(ck, ts, rows, fmts):
             nbytes = touched * per_expert * wbytes + 2 * 2 * t * g["d"]
             rows.append(row("moe", f"E{g['e']}k{g['k']}", fmt, t, bench_ms(fn), fl, nbytes, peak,
                             experts_touched=touched))
-        del c
+        c = fn = None                     # free this format's weights before the next one
         torch.cuda.empty_cache()
 
 
