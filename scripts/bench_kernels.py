@@ -23,9 +23,12 @@ import json
 import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repo root: tests.kernels.cases
 
 DEV = "cuda"
 CEIL = {"tbps": 4.2, "bf16_tflops": 790.0, "fp8_tflops": 1200.0}
@@ -66,7 +69,7 @@ def row(kind, name, variant, m, ms, flops, nbytes, peak_tflops, **extra):
 
 def bench_dense(ck, ms, rows, triton_ms):
     from glm_ray.kernels.cuda.layout import scaled_mm_operands
-    from glm_ray.kernels.cuda.testing import dense_fp8_case
+    from tests.kernels.cases import dense_fp8_case
     for name, n, k in DENSE:
         _, w, s = dense_fp8_case(1, n, k, device=DEV)
         wb = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * k ** -0.5
@@ -90,7 +93,7 @@ def bench_dense(ck, ms, rows, triton_ms):
 
 
 def bench_moe(ck, ts, rows, fmts):
-    from glm_ray.kernels.cuda.testing import moe_case
+    from tests.kernels.cases import moe_case
     g = MOE_GEO
     per_expert = 3 * g["i"] * g["d"]                                  # w13 (2I x D) + w2 (D x I) elements
     for fmt in fmts:

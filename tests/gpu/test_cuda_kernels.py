@@ -42,16 +42,20 @@ pytestmark = [pytest.mark.gpu,
 
 from glm_ray import kernels  # noqa: E402
 from glm_ray.kernels.cuda import layout as L  # noqa: E402
-from glm_ray.kernels.cuda.testing import dense_fp8_case, moe_case, rel_err  # noqa: E402
 from glm_ray.kernels.torch_ref import fused_moe as ref_fused_moe  # noqa: E402
 from glm_ray.kernels.torch_ref import quant_ops as ref  # noqa: E402
-from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear  # noqa: E402
 from glm_ray.kernels.torch_ref.fp8 import (  # noqa: E402
-    FP8_DTYPE, ceil_to_ue8m0, dequant_block_fp8, dequant_per_token_group, per_token_group_quant_fp8,
+    FP8_DTYPE,
+    ceil_to_ue8m0,
+    dequant_block_fp8,
+    dequant_per_token_group,
+    per_token_group_quant_fp8,
     w8a8_block_fp8_matmul,
 )
+from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear  # noqa: E402
 from glm_ray.kernels.torch_ref.moe_quant import fused_moe_act_qdq  # noqa: E402
 from glm_ray.kernels.torch_ref.mxfp4 import quant_mxfp4  # noqa: E402
+from tests.kernels.cases import dense_fp8_case, moe_case, rel_err  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16

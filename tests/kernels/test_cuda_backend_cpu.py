@@ -21,12 +21,12 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 from glm_ray import kernels
 from glm_ray.kernels.cuda import layout as L
-from glm_ray.kernels.cuda.testing import dense_fp8_case, moe_case, rel_err, routing
 from glm_ray.kernels.torch_ref import fused_moe as ref_fused_moe
 from glm_ray.kernels.torch_ref import quant_ops as ref
 from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
 from glm_ray.kernels.torch_ref.fp8 import dequant_block_fp8, per_token_group_quant_fp8
 from glm_ray.kernels.torch_ref.mxfp4 import SCALE_MODES, qdq_mxfp4, quant_mxfp4
+from tests.kernels.cases import dense_fp8_case, moe_case, rel_err, routing
 
 BF16 = torch.bfloat16
 

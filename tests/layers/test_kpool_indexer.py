@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from glm_ray.config import ModelConfig
+from glm_ray.forward_batch import build_forward_batch
 from glm_ray.layers import kpool_indexer
 from glm_ray.layers.kpool_indexer import KPoolIndexer
-from glm_ray.weights import CheckpointTensor
-from glm_ray.forward_batch import build_forward_batch
 from glm_ray.quant import Unquantized
+from glm_ray.weights import CheckpointTensor
 
 pytest.importorskip("transformers.models.glm5_next")
 

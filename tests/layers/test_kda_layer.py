@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from glm_ray.config import ModelConfig
+from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables
 from glm_ray.layers import kda as kda_mod
 from glm_ray.layers import linear as linear_mod
 from glm_ray.layers.kda import KimiDeltaAttention
-from glm_ray.weights import CheckpointTensor
-from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables
 from glm_ray.quant import Unquantized
+from glm_ray.weights import CheckpointTensor
 
 hf = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig  # noqa: E402
