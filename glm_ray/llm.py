@@ -62,13 +62,13 @@ class LLM:
             order.append(rid)
             for i in range(p.n):
                 sub = p.clone(n=1, seed=choice_seed(p.seed, i))
-                self.engine.validate_request(ids, sub)     # a bad prompt fails the call before anything runs
-                subs.append((f"{rid}-{i}", text, ids, sub))
+                max_tokens = self.engine.validate_request(ids, sub)   # a bad prompt fails the call before anything runs
+                subs.append((f"{rid}-{i}", text, ids, sub, max_tokens))
                 out.outputs.append(CompletionOutput(i, "", [], [] if p.logprobs is not None else None, None))
         added = []
         try:
-            for sub_id, text, ids, sub in subs:
-                self.engine.add_request(sub_id, ids, sub, text)
+            for sub_id, text, ids, sub, max_tokens in subs:
+                self.engine.add_request(sub_id, ids, sub, text, max_tokens=max_tokens)
                 added.append(sub_id)
         except BaseException:
             for sub_id in added:                   # leave the engine as it was: the LLM stays usable

@@ -19,13 +19,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from glm_ray.config import EngineConfig
+from glm_ray.engine.contract import Executor, SchedulerOutput
 from glm_ray.engine.detokenizer import IncrementalDetokenizer
 from glm_ray.engine.errors import EngineOverloadedError, InvalidRequestError, StepOutOfMemoryError
 from glm_ray.engine.kv_cache import KVCacheManager
 from glm_ray.engine.outputs import TokenDelta
-from glm_ray.engine.request import Request, RequestStatus
+from glm_ray.engine.request import Request
 from glm_ray.engine.sampling_params import SamplingParams
-from glm_ray.engine.contract import Executor, SchedulerOutput
 from glm_ray.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,8 @@ def summarize_steps(steps, decode_only: bool = True) -> dict:
     xs = [s for s in steps if (s.num_decode_seqs == s.num_tokens > 0) or (not decode_only and s.num_tokens)]
     if not xs:
         return {"steps": 0}
-    med = lambda f: statistics.median(f(s) for s in xs)
+    def med(f):
+        return statistics.median(f(s) for s in xs)
     step, orch = med(lambda s: s.step_s), med(lambda s: s.orchestration_s)
     return {"steps": len(xs), "step_ms": step * 1e3, "orchestration_ms": orch * 1e3,
             "orchestration_share": orch / step if step else 0.0,
@@ -123,13 +124,23 @@ class EngineCore:
                 f"context length {self.max_model_len}; reduce the prompt or max_tokens", param="max_tokens")
         return max_tokens
 
+    def check_capacity(self, pending: int = 0) -> None:
+        """The queue-full rule: raise EngineOverloadedError (a 503 + Retry-After) when the unfinished
+        requests plus `pending` ones not yet added (the Router's) fill running + waiting capacity."""
+        sc = self.cfg.scheduler
+        if self.scheduler.num_unfinished + pending >= sc.max_waiting + sc.max_num_seqs:
+            raise EngineOverloadedError("the engine queue is full; retry later", retry_after_s=1.0)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> Request:
+                    prompt: str | None = None, *, max_tokens: int | None = None) -> Request:
+        """Queue a request. `max_tokens` is what `validate_request` returned for it; a caller that
+        validated already (the Router, synchronously, so bad input fails fast) passes it, else this
+        validates."""
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        max_tokens = self.validate_request(prompt_token_ids, params)
-        if self.scheduler.num_unfinished >= self.cfg.scheduler.max_waiting + self.cfg.scheduler.max_num_seqs:
-            raise EngineOverloadedError("the engine queue is full; retry later", retry_after_s=1.0)
+        if max_tokens is None:
+            max_tokens = self.validate_request(prompt_token_ids, params)
+        self.check_capacity()
         req = Request(request_id, list(prompt_token_ids), params, max_tokens=max_tokens, prompt=prompt)
         self.requests[request_id] = req
         self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,

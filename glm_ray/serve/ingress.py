@@ -22,6 +22,7 @@ Router contract (glm_ray/serve/router.py):
 """
 import asyncio
 import contextvars
+import importlib.metadata
 import logging
 import time
 from typing import Any, Optional
@@ -36,19 +37,48 @@ from glm_ray.engine.sampling_params import SamplingParams, choice_seed
 from glm_ray.engine.tokenizer import load_tokenizer
 from glm_ray.serve.detok import TokenStrings
 from glm_ray.serve.errors import error_response, for_client, install_error_handlers, map_exception, openai_errors
-from glm_ray.serve.openapi import build_openapi
-from glm_ray.serve.request_context import bearer_ok
 from glm_ray.serve.fanout import EventStream, Fanout, SubRequest, pad_logprobs
+from glm_ray.serve.openapi import build_openapi
 from glm_ray.serve.protocol import (
-    MAX_CHOICES, SSE_DONE, APIError, ChatChoiceLogprobs, ChatCompletionRequest, ChatCompletionResponse,
-    ChatCompletionResponseChoice, ChatCompletionStreamChoice, ChatCompletionStreamResponse,
-    ChatResponseMessage, CompletionLogProbs, CompletionRequest, CompletionResponse,
-    CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse,
-    DeltaMessage, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
-    TokenizeResponse, UsageInfo, bad_request, chat_logprobs, check_prompt_fits, check_token_ids,
-    completion_logprobs, format_prompt_logprobs, load_generation_defaults,
-    parse_body, parse_tokenize_body, random_id, requested_max_tokens, sse, to_sampling_params,
+    MAX_CHOICES,
+    SSE_DONE,
+    APIError,
+    ChatChoiceLogprobs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeResponse,
+    UsageInfo,
+    bad_request,
+    chat_logprobs,
+    check_prompt_fits,
+    check_token_ids,
+    completion_logprobs,
+    format_prompt_logprobs,
+    load_generation_defaults,
+    parse_body,
+    parse_tokenize_body,
+    random_id,
+    requested_max_tokens,
+    sse,
+    to_sampling_params,
 )
+from glm_ray.serve.request_context import bearer_ok
 
 logger = logging.getLogger("glm_ray.serve.ingress")
 
@@ -83,8 +113,7 @@ async def _await(resp):
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
-        return version("glm-ray")
+        return importlib.metadata.version("glm-ray")
     except Exception:  # noqa: BLE001 - not installed (a source checkout on PYTHONPATH)
         return "unknown"
 
@@ -208,7 +237,7 @@ class OpenAIIngress:
                 continue_final_message=bool(req.continue_final_message), **kwargs)
         except APIError:
             raise
-        except Exception as e:  # jinja2 TemplateError, SecurityError, ValueError from the template, ...
+        except Exception as e:  # noqa: BLE001 - jinja2 TemplateError, SecurityError, the template's own errors
             detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             raise bad_request(f"Could not apply the chat template: {detail}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
@@ -260,6 +289,26 @@ class OpenAIIngress:
                 first = first or sub
                 subs.append(sub)
         return subs
+
+    async def _parse(self, request: Request, model_cls):
+        """The shared prologue of the generation endpoints: body -> request model, model name checked,
+        the engine's model info."""
+        req = parse_body(await read_body(request), model_cls)
+        self._check_model(req.model)
+        return req, await self._info()
+
+    async def _generate(self, req, base_id: str, prompts: list[tuple[Optional[str], list[int]]],
+                        params: list[SamplingParams], render_stream, render_full):
+        """Fan the choices out to the Router, then answer with SSE (`stream: true`) or one JSON body;
+        however the response ends, unfinished sub-requests are aborted."""
+        fan = await self._start(self._make_subs(base_id, prompts, params))
+        prompt_lens = [len(ids) for _, ids in prompts]
+        if req.stream:
+            return EventStream(render_stream(req, base_id, fan, prompt_lens), fan.close)
+        try:
+            return await render_full(req, base_id, fan, prompt_lens)
+        finally:
+            fan.close()
 
     async def _start(self, subs: list[SubRequest]) -> Fanout:
         fan = Fanout(self.router, subs, self._abort_in_background)
@@ -365,22 +414,12 @@ class OpenAIIngress:
     @app.post("/v1/completions")
     @openai_errors("completion", auth=True)
     async def completions(self, request: Request):
-        req = parse_body(await read_body(request), CompletionRequest)
-        self._check_model(req.model)
-        info = await self._info()
+        req, info = await self._parse(request, CompletionRequest)
         max_model_len = int(info["max_model_len"])
         prompts = await self._completion_prompts(req, int(info.get("vocab_size") or 1 << 31))
         params = [self._params(req, len(ids), max_model_len, "prompt") for _, ids in prompts]
-        base_id = random_id("cmpl")
-        subs = self._make_subs(base_id, prompts, params)
-        fan = await self._start(subs)
-        prompt_lens = [len(ids) for _, ids in prompts]
-        if req.stream:
-            return EventStream(self._completion_stream(req, base_id, fan, prompt_lens), fan.close)
-        try:
-            return await self._completion_full(req, base_id, fan, prompt_lens)
-        finally:
-            fan.close()
+        return await self._generate(req, random_id("cmpl"), prompts, params, self._completion_stream,
+                                    self._completion_full)
 
     def _echo_text(self, s: SubRequest) -> str:
         if s.prompt_text is not None:
@@ -480,21 +519,11 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions")
     @openai_errors("chat", auth=True)
     async def chat_completions(self, request: Request):
-        req = parse_body(await read_body(request), ChatCompletionRequest)
-        self._check_model(req.model)
-        info = await self._info()
-        max_model_len = int(info["max_model_len"])
+        req, info = await self._parse(request, ChatCompletionRequest)
         ids = await self._chat_prompt_ids(req)
-        sp = self._params(req, len(ids), max_model_len, "messages")
-        base_id = random_id("chatcmpl")
-        subs = self._make_subs(base_id, [(None, ids)], [sp])
-        fan = await self._start(subs)
-        if req.stream:
-            return EventStream(self._chat_stream(req, base_id, fan, [len(ids)]), fan.close)
-        try:
-            return await self._chat_full(req, base_id, fan, [len(ids)])
-        finally:
-            fan.close()
+        sp = self._params(req, len(ids), int(info["max_model_len"]), "messages")
+        return await self._generate(req, random_id("chatcmpl"), [(None, ids)], [sp], self._chat_stream,
+                                    self._chat_full)
 
     async def _chat_full(self, req: ChatCompletionRequest, base_id: str, fan: Fanout,
                          prompt_lens: list[int]) -> JSONResponse:

@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
+from glm_ray.config import make_engine_config
 from glm_ray.engine.engine_core import EngineCore, summarize_steps
 from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, request_failure
-from glm_ray.config import make_engine_config
-from glm_ray.engine.tokenizer import load_tokenizer
 from glm_ray.engine.outputs import TokenDelta
 from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.engine.tokenizer import load_tokenizer
 from glm_ray.serve.args import ServeArgs
 from glm_ray.serve.metrics import EngineMetrics
 from glm_ray.worker.worker_group import RayWorkerGroup
@@ -58,7 +58,7 @@ class Router:
         self.model_path = model
         self.metrics = EngineMetrics(a.model_name(), a.fp8_proj_gemm, a.tp)
         self._streams: dict[str, _Stream] = {}
-        self._pending_adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, int]] = []   # (id, prompt, params, max_tokens)
         self._pending_aborts: list[str] = []
         self._wakeup = asyncio.Event()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -77,13 +77,14 @@ class Router:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         if self._recent_aborts.pop(request_id, None) is not None:
             return                     # the caller gave up before we even saw the request
-        self.engine.validate_request(prompt_token_ids, params)
-        pending = self.engine.scheduler.num_unfinished + len(self._pending_adds)
-        if pending >= self.cfg.scheduler.max_waiting + self.cfg.scheduler.max_num_seqs:
+        max_tokens = self.engine.validate_request(prompt_token_ids, params)
+        try:
+            self.engine.check_capacity(pending=len(self._pending_adds))
+        except EngineOverloadedError:
             self.metrics.on_error(EngineOverloadedError.error_type)
-            raise EngineOverloadedError("the engine queue is full; retry later", retry_after_s=1.0)
+            raise
         stream = self._streams[request_id] = _Stream()
-        self._pending_adds.append((request_id, list(prompt_token_ids), params))
+        self._pending_adds.append((request_id, list(prompt_token_ids), params, max_tokens))
         self._wakeup.set()
         finished = False
         try:
@@ -146,12 +147,12 @@ class Router:
     # ---- the batching loop --------------------------------------------------------------------
     def _apply_pending(self) -> None:
         adds, self._pending_adds = self._pending_adds, []
-        for rid, ids, params in adds:
+        for rid, ids, params, max_tokens in adds:
             if rid not in self._streams:          # cancelled before it was admitted
                 continue
             try:
-                self.engine.add_request(rid, ids, params)
-            except Exception as e:
+                self.engine.add_request(rid, ids, params, max_tokens=max_tokens)
+            except Exception as e:  # noqa: BLE001 - whatever it is, it ends this request's stream
                 self._streams[rid].queue.put_nowait(e)
         aborts, self._pending_aborts = self._pending_aborts, []
         for rid in aborts:
@@ -222,7 +223,7 @@ class Router:
     def __del__(self):
         try:
             self.executor.shutdown()
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
 
 
@@ -231,7 +232,7 @@ def _worker_name_prefix() -> str | None:
     try:
         ctx = serve.get_replica_context()
         return f"glm-ray-worker:{ctx.app_name}:{ctx.replica_id.unique_id}"
-    except Exception:
+    except Exception:  # noqa: BLE001 - not inside a Serve replica
         return None
 
 

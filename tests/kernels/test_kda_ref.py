@@ -8,15 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from glm_ray.kernels.torch_ref.kda import causal_conv1d, kda_chunked, kda_recurrent, l2norm
+from tests import flash_tiny
 
-hf = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
+hf = flash_tiny.import_oracle("transformers.models.glm5_next.modeling_glm5_next")
 
 H, DK, DV = 3, 16, 8
 
 
 def _inputs(B, L, seed, lower_bound=-5.0):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)
+    def r(*s):
+        return torch.randn(*s, generator=g)
     q, k, v = r(B, L, H, DK), r(B, L, H, DK), r(B, L, H, DV)
     raw = r(B, L, H, DK)
     gate = lower_bound * torch.sigmoid(raw) if lower_bound is not None else -F.softplus(raw)   # <= 0

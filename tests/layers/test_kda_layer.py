@@ -19,8 +19,9 @@ from glm_ray.layers import linear as linear_mod
 from glm_ray.layers.kda import KimiDeltaAttention
 from glm_ray.quant import Unquantized
 from glm_ray.weights import CheckpointTensor
+from tests import flash_tiny
 
-hf = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
+hf = flash_tiny.import_oracle("transformers.models.glm5_next.modeling_glm5_next")
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig  # noqa: E402
 
 BS = 16

@@ -21,8 +21,9 @@ from glm_ray.layers import kpool_indexer
 from glm_ray.layers.kpool_indexer import KPoolIndexer
 from glm_ray.quant import Unquantized
 from glm_ray.weights import CheckpointTensor
+from tests import flash_tiny
 
-pytest.importorskip("transformers.models.glm5_next")
+flash_tiny.import_oracle("transformers.models.glm5_next")
 
 CONFIG = Path(__file__).parents[2] / "glm_ray" / "configs" / "glm53-flash-tiny-text.json"
 BLOCK = 4

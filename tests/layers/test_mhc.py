@@ -2,12 +2,12 @@
 decoder layer's expand step, on random fp32 weights and streams."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from glm_ray.layers.mhc import HyperConnection
+from tests import flash_tiny
 
-pytest.importorskip("transformers.models.glm5_next")
+flash_tiny.import_oracle("transformers.models.glm5_next")
 
 
 def test_collapse_and_expand_match_transformers():

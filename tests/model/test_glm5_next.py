@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from glm_ray import LLM, SamplingParams
+from tests import flash_tiny
 from tests.flash_tiny import flash_oracle_logprobs, load_flash_oracle, write_flash_tiny
 
-pytest.importorskip("transformers.models.glm5_next")
+flash_tiny.import_oracle("transformers.models.glm5_next")
 
 TOL = 1e-4
 
