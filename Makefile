@@ -8,13 +8,14 @@ TORCH_SPEC ?= torch==2.13.0
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup setup-test serve test bench-cpu clean
+.PHONY: help setup setup-test serve test lint bench-cpu clean
 
 help:
 	@echo "make serve [ARGS='...']   venv + glm-ray (first run ~3.5 min, ~1.9 GB in $(VENV)), then"
 	@echo "                          'glm-ray serve ARGS' on http://127.0.0.1:8000/v1 (Ctrl-C stops it)"
 	@echo "                          e.g. make serve ARGS='--port 9000 --max-num-seqs 8'"
 	@echo "make test [PYTEST_ARGS='...']  + test deps ($(VENV) ~2.8 GB in all), curl, promtool; the suite (~5 min)"
+	@echo "make lint                 ruff check . (CI runs it before the tests)"
 	@echo "make setup / setup-test   only install;  make bench-cpu [ARGS=...]  offline engine benchmark"
 	@echo "make clean                remove $(VENV)"
 	@echo "Afterwards: source $(VENV)/bin/activate (or call $(VENV)/bin/glm-ray, serve, ray directly)."
@@ -52,6 +53,9 @@ serve: setup
 
 test: setup-test
 	PATH=$(abspath $(VENV))/bin:$$PATH RAY_AUTH_MODE=disabled $(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup-test
+	$(VENV)/bin/ruff check .
 
 bench-cpu: setup
 	$(PY) -m glm_ray.bench.offline $(ARGS)
