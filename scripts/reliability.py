@@ -43,9 +43,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tests import cluster as C                                   # noqa: E402
-from tests.reliability import harness as H                       # noqa: E402
-from tests.reliability.apps import FAULTS_APP                    # noqa: E402
+from tests import cluster as C  # noqa: E402
+from tests.reliability import harness as H  # noqa: E402
+from tests.reliability.apps import FAULTS_APP  # noqa: E402
 
 SCENARIOS = ["fuzz", "schemathesis", "overload", "disconnects", "faults", "soak", "worker_kill"]
 FD_TOLERANCE = 8          # "flat": at most this many more open fds at the end than at the start, per process

@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 import requests
 
-from tests.reliability.apps import FAULT_TOKENS, EXCEPTION_TOKEN, OOM_TOKEN, SAMPLE_TOKEN
+from tests.reliability.apps import EXCEPTION_TOKEN, FAULT_TOKENS, OOM_TOKEN, SAMPLE_TOKEN
 
 # ------------------------------------------------------------------------------------------------
 # The response checker
@@ -1520,9 +1520,14 @@ def schemathesis_checks() -> list:
     delete), ignored_auth/missing_required_header (no security scheme in the default app), and
     unsupported_method (run by the hostile generator's method catalog instead)."""
     from schemathesis.checks import not_a_server_error
-    from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
-                                                   positive_data_acceptance, response_headers_conformance,
-                                                   response_schema_conformance, status_code_conformance)
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        negative_data_rejection,
+        positive_data_acceptance,
+        response_headers_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
     return [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
             response_headers_conformance, negative_data_rejection, positive_data_acceptance]
 
