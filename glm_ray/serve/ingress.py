@@ -87,7 +87,7 @@ _OFFLOAD_CHARS = 4096
 _ABORT_TIMEOUT_S = 30.0
 _HEALTH_TIMEOUT_S = 10.0
 # Largest request body read (413 above it). A GLM-5 context of 200k tokens is ~1.5 MB as token ids.
-MAX_BODY_BYTES = 32 * 2**20
+MAX_BODY_BYTES = 16 * 2**20
 # Keys a client must not smuggle into apply_chat_template through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "tokenize", "chat_template",
                              "add_generation_prompt", "continue_final_message", "return_dict",

@@ -19,15 +19,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import uuid
 from typing import Any, Literal, Optional, Protocol, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from typing_extensions import Annotated
 
 from glm_ray.engine.sampling_params import (
-    BOUNDS, MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS, SamplingParams, is_valid_unicode,
+    BOUNDS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+    is_valid_unicode,
 )
 
 # Logprob values that JSON cannot carry (-inf, nan) are clamped to this, like vLLM.
@@ -38,8 +44,6 @@ MAX_TOP_LOGPROBS = MAX_LOGPROBS
 MAX_JSON_DEPTH = 64
 # Engine requests one HTTP request may fan out to (prompts x n).
 MAX_CHOICES = 1024
-# Roles a chat message may have (OpenAI's, plus "developer").
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # --------------------------------------------------------------------------------------------
 # Errors
@@ -165,6 +169,9 @@ def validate_model(obj: dict, model: type[BaseModel]) -> Any:
         return model.model_validate(obj)
     except ValidationError as e:
         msg, param = format_validation_errors(e.errors(include_url=False, include_input=False))
+        if param == "prompt" and "constrained" in msg:      # one message for the union, not one per member
+            msg = ("prompt must be a non-empty string, a non-empty list of strings, a non-empty list of token "
+                   "ids, or a non-empty list of such lists")
         raise bad_request(msg, param=param) from None
     except RecursionError:     # pragma: no cover - depth is bounded by load_json
         raise bad_request("The request body is nested too deeply.", code="invalid_json") from None
@@ -178,7 +185,8 @@ def validate_model(obj: dict, model: type[BaseModel]) -> Any:
 class OpenAIBaseModel(BaseModel):
     # OpenAI ignores unknown fields; keep them (visible via `model_extra`) but never act on them.
     # Floats must be finite (1e999 parses as inf).
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # Strict types, as the schema says: `true` is not an integer, "yes" is not a boolean, 1.0 is not an int.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     def ignored_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
@@ -195,6 +203,10 @@ def bounded(name: str, default: Any = None, **kw) -> Any:
 
 
 TokenId = Annotated[int, Field(**BOUNDS["stop_token_id"].pydantic_kwargs())]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+# Longest token list /detokenize takes (its output grows with it).
+MAX_DETOKENIZE_TOKENS = 2**20
 StopString = Annotated[str, Field(min_length=1)]
 
 
@@ -234,7 +246,8 @@ class _SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    prompt: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)], TokenIds,
+                  Annotated[list[TokenIds], Field(min_length=1)]]
     max_tokens: Optional[int] = bounded("max_tokens", 16)   # OpenAI's and vLLM's default for completions
     echo: Optional[bool] = False
     logprobs: Optional[int] = bounded("logprobs")
@@ -268,24 +281,15 @@ class ContentPart(OpenAIBaseModel):
     text: str
 
 
-class ChatMessage(OpenAIBaseModel):
-    role: Literal[ROLES]  # type: ignore[valid-type]
-    content: Union[str, list[ContentPart], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
-    tool_call_id: Optional[str] = None
-    reasoning_content: Optional[str] = None
+Content = Union[str, Annotated[list[ContentPart], Field(min_length=1)]]
 
-    @model_validator(mode="after")
-    def _content_present(self) -> "ChatMessage":
-        # OpenAI: content may be null only on an assistant message that carries tool calls.
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"content is required for a {self.role!r} message (null only on an "
-                             "assistant message with tool_calls)")
-        return self
+
+class _Message(OpenAIBaseModel):
+    """Fields every chat message may carry; the role classes below say which content they need."""
+    name: Optional[str] = None
 
     def text_content(self) -> str:
-        c = self.content
+        c = getattr(self, "content", None)
         if c is None:
             return ""
         if isinstance(c, str):
@@ -298,6 +302,34 @@ class ChatMessage(OpenAIBaseModel):
         d["role"] = self.role
         d["content"] = self.text_content()
         return d
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
+    content: Content
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessage(_Message):
+    """A previous model turn: content may be null (a turn that only called tools)."""
+    role: Literal["assistant"]
+    content: Optional[Content] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    reasoning_content: Optional[str] = None
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: Optional[str] = None
+
+
+# One message, by its role (the OpenAPI schema shows one object per role, as OpenAI's own spec does).
+ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -350,7 +382,7 @@ def parse_tokenize_body(body: bytes | str) -> Union[TokenizeCompletionRequest, T
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: Optional[str] = None
-    tokens: list[TokenId]
+    tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZE_TOKENS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -773,7 +805,6 @@ def format_prompt_logprobs(prompt_ids: list[int], plps: Optional[list[Optional[d
 
 def load_generation_defaults(model_path: str) -> dict[str, Any]:
     """The sampling defaults from `generation_config.json` (what vLLM applies by default)."""
-    import os
     path = os.path.join(model_path, "generation_config.json")
     try:
         with open(path) as f:
