@@ -67,8 +67,8 @@ EXTRA_APPS = [
 
 @pytest.fixture(scope="session")
 def serve_cluster(tmp_path_factory):
-    from tests import cluster
     from glm_ray.model.tiny import default_tiny_model
+    from tests import cluster
     default_tiny_model()                       # write the cached tiny model once, before any replica
     tmp = tmp_path_factory.mktemp("serve")
     apps = list(EXTRA_APPS)
