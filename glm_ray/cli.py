@@ -73,7 +73,7 @@ def cmd_make_tiny(a) -> int:
 
 
 def cmd_generate(a) -> int:
-    from glm_ray.llm import LLM     # deferred: ray (the executor)
+    from glm_ray.llm import LLM  # deferred: ray (the executor)
     llm = LLM(a.model, tensor_parallel_size=a.tp, device=a.device, dtype=a.dtype, load_format=a.load_format,
               kernel_backend=a.kernel_backend, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
@@ -147,7 +147,8 @@ def cmd_serve(a) -> int:
         from ray._private import ray_constants
         ray_constants.ENABLE_RAY_CLUSTER = False    # in case something imported ray before the line above
     from ray import serve
-    from glm_ray.serve.app import build_app     # deferred: imports ray, after the loopback setting above
+
+    from glm_ray.serve.app import build_app  # deferred: imports ray, after the loopback setting above
     if sa.model == "tiny":                      # write the cache once here, not in two replicas at once
         default_tiny_model()
     if a.address:

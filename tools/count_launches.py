@@ -5,10 +5,15 @@ that bounds a host-bound GPU decode step. `--by-module` splits the count by the 
 
     python tools/count_launches.py [--by-module] [--model DIR]   # e.g. a `make-tiny --config glm53-flash-tiny-text.json` dir
 """
-import argparse, collections, re
+import argparse
+import collections
+import re
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
 from glm_ray import LLM, SamplingParams
+
 VIEWS = {"view", "slice", "unsqueeze", "transpose", "select", "alias", "detach", "detach_", "lift_fresh", "expand", "_unsafe_view", "reshape", "t", "permute", "split", "chunk", "unbind", "squeeze", "as_strided", "item", "_local_scalar_dense", "split_with_sizes"}
 class Count(TorchDispatchMode):
     def __init__(self, where): super().__init__(); self.c = collections.Counter(); self.where = where

@@ -21,8 +21,8 @@ import torch
 
 from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables
-from glm_ray.quant.fp8_proj import Fp8ProjGemmMethod
 from glm_ray.llm import LLM
+from glm_ray.quant.fp8_proj import Fp8ProjGemmMethod
 
 _OFF = 1 << 62                      # min_tokens no batch exceeds: the bf16 path
 

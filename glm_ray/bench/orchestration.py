@@ -12,8 +12,8 @@ import os
 
 import torch
 
-from glm_ray.bench.table import append_rows
 from glm_ray import envs
+from glm_ray.bench.table import append_rows
 from glm_ray.engine.engine_core import summarize_steps
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.llm import LLM

@@ -15,12 +15,11 @@ from torch import nn
 
 from glm_ray import kernels
 from glm_ray.config import ModelConfig
+from glm_ray.forward_batch import AttnGroup, ForwardBatch
 from glm_ray.layers.linear import ReplicatedLinear
 from glm_ray.layers.norm import LayerNorm
 from glm_ray.layers.rotary import RopeCache, apply_rope
-from glm_ray.forward_batch import AttnGroup, ForwardBatch
 from glm_ray.quant import Unquantized
-
 
 # Bound on one scoring tile (per-head scores, gathered keys) of the selection, passed to the kernel op
 _SCORE_BYTES = 256 * 2**20

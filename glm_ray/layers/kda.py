@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glm_ray import kernels
 from glm_ray.config import ModelConfig
 from glm_ray.distributed.parallel_state import tp_rank
-from glm_ray import kernels
+from glm_ray.forward_batch import AttnGroup, ForwardBatch
 from glm_ray.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.weights import load_sharded, set_weight_attrs
-from glm_ray.forward_batch import AttnGroup, ForwardBatch
 
 
 class ShortConv(nn.Module):

@@ -30,11 +30,10 @@ from torch import nn
 
 from glm_ray import kernels
 from glm_ray.config import ModelConfig
+from glm_ray.forward_batch import AttnGroup, ForwardBatch
 from glm_ray.layers.indexer import Indexer
 from glm_ray.layers.rotary import RopeCache
 from glm_ray.weights import load_sharded, set_weight_attrs
-from glm_ray.forward_batch import AttnGroup, ForwardBatch
-
 
 # Bound on one scoring tile of the selection, passed to the kernel op
 _SCORE_BYTES = 256 * 2**20

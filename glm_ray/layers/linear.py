@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from glm_ray.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from glm_ray.distributed.parallel_state import all_reduce, tp_rank
 from glm_ray.weights import CheckpointTensor, load_sharded
 
 

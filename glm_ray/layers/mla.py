@@ -20,13 +20,12 @@ from torch import nn
 
 from glm_ray import kernels
 from glm_ray.config import ModelConfig
+from glm_ray.forward_batch import AttnGroup, ForwardBatch
 from glm_ray.layers.indexer import Indexer
 from glm_ray.layers.kpool_indexer import KPoolIndexer
 from glm_ray.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.layers.norm import RMSNorm
 from glm_ray.layers.rotary import RopeCache, apply_rope
-from glm_ray.forward_batch import AttnGroup, ForwardBatch
-
 
 # Bound on the transient gathered / expanded context of one attention call, passed to the kernel ops
 # as `max_bytes`; above it the torch reference processes the context in key chunks (online softmax).

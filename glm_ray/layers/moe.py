@@ -13,7 +13,7 @@ from torch import nn
 
 from glm_ray import kernels
 from glm_ray.config import ModelConfig
-from glm_ray.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from glm_ray.distributed.parallel_state import all_reduce, tp_rank
 from glm_ray.layer_contracts import LayerKind, MoEContract
 from glm_ray.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from glm_ray.weights import load_sharded, set_weight_attrs

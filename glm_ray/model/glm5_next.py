@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from glm_ray.config import ModelConfig
+from glm_ray.forward_batch import ForwardBatch
 from glm_ray.layers.embedding import VocabParallelEmbedding
 from glm_ray.layers.kda import KimiDeltaAttention
 from glm_ray.layers.mhc import HyperConnection
 from glm_ray.layers.mla import MLAAttention
 from glm_ray.layers.norm import RMSNorm
-from glm_ray.forward_batch import ForwardBatch
 from glm_ray.model.base import CausalLM, make_mlp
 
 # KDA layer index -> (conv_state [S, K-1, 3·H·dk], recurrent state [S, H, dk, dv] fp32)

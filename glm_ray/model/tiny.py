@@ -55,7 +55,13 @@ def bundled_config(name: str = "glm5-tiny.json") -> dict:
 
 def _corpus() -> list[str]:
     """Plain English + code text available offline: docstrings of a fixed set of stdlib modules."""
-    import collections, functools, itertools, json as _json, pathlib, string, textwrap
+    import collections
+    import functools
+    import itertools
+    import json as _json
+    import pathlib
+    import string
+    import textwrap
     lines = []
     for mod in (collections, functools, itertools, _json, pathlib, string, textwrap):
         for obj in [mod, *vars(mod).values()]:

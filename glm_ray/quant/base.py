@@ -11,6 +11,7 @@ into runtime layout (dequant for the reference, preshuffle for aiter, ...), `app
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 

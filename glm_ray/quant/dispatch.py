@@ -28,9 +28,9 @@ from torch import nn
 from glm_ray.layer_contracts import LayerKind, layer_kind
 from glm_ray.quant.base import LinearMethod, MoEMethod, QuantConfig
 from glm_ray.quant.config import QuantScheme, QuantSpec, UnsupportedQuantSchemeError
-from glm_ray.quant.runtime import describe
 from glm_ray.quant.fp8 import Fp8BlockLinearMethod, Fp8BlockMoEMethod
 from glm_ray.quant.mxfp4 import Mxfp4LinearMethod, Mxfp4MoEMethod
+from glm_ray.quant.runtime import describe
 from glm_ray.quant.unquantized import UnquantizedLinearMethod, UnquantizedMoEMethod
 
 # runtime fused linears -> the checkpoint modules they are built from (suffix replacement)

@@ -27,13 +27,21 @@ from torch import nn
 from glm_ray.kernels.torch_ref.aiter_layout import unshuffle_weight
 from glm_ray.kernels.torch_ref.fp8 import FP8_DTYPE, dequant_block_fp8
 from glm_ray.layer_contracts import GateMode
-from glm_ray.weights import set_weight_attrs
 from glm_ray.quant.base import LinearMethod, MoEMethod
 from glm_ray.quant.config import QuantScheme, UnsupportedQuantSchemeError
 from glm_ray.quant.runtime import (
-    MoEParamGeometry, bind_runner, cdiv, describe, fill_padding, fp8_dummy_pair, moe_param_loader, owned_ops,
-    quantized_loader, set_checkpoint_suffix,
+    MoEParamGeometry,
+    bind_runner,
+    cdiv,
+    describe,
+    fill_padding,
+    fp8_dummy_pair,
+    moe_param_loader,
+    owned_ops,
+    quantized_loader,
+    set_checkpoint_suffix,
 )
+from glm_ray.weights import set_weight_attrs
 
 SCALE_CKPT_DTYPES = frozenset({"F32", "BF16", "F8_E8M0"})   # fp32 (DeepSeek), bf16, e8m0 bytes (DSv4 style)
 FP8_CKPT_DTYPES = frozenset({"F8_E4M3"})

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from glm_ray import kernels
+from glm_ray.kernels.torch_ref.fp8 import quant_weight_ue8m0
 from glm_ray.quant.base import LinearMethod, QuantConfig
 from glm_ray.quant.unquantized import UnquantizedLinearMethod
-from glm_ray.kernels.torch_ref.fp8 import quant_weight_ue8m0
 
 logger = logging.getLogger(__name__)
 

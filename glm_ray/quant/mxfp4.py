@@ -24,14 +24,20 @@ from torch import nn
 from glm_ray.kernels.torch_ref.aiter_layout import deinterleave_gate_up_rows
 from glm_ray.kernels.torch_ref.mxfp4 import dequant_mxfp4
 from glm_ray.layer_contracts import GateMode
-from glm_ray.weights import set_weight_attrs
 from glm_ray.quant.base import LinearMethod, MoEMethod
 from glm_ray.quant.config import QuantScheme, UnsupportedQuantSchemeError
 from glm_ray.quant.fp8 import _replace_params
 from glm_ray.quant.runtime import (
-    MoEParamGeometry, bind_runner, describe, fill_padding, moe_param_loader, mxfp4_dummy_pair, owned_ops,
+    MoEParamGeometry,
+    bind_runner,
+    describe,
+    fill_padding,
+    moe_param_loader,
+    mxfp4_dummy_pair,
+    owned_ops,
     quantized_loader,
 )
+from glm_ray.weights import set_weight_attrs
 
 MX = 32
 U8 = frozenset({"U8"})

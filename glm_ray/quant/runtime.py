@@ -16,8 +16,8 @@ from torch import nn
 
 from glm_ray import kernels
 from glm_ray.distributed.parallel_state import tp_rank
-from glm_ray.weights import FLOAT_DTYPES, CheckpointTensor, WeightError, load_sharded
 from glm_ray.quant.config import QuantScheme
+from glm_ray.weights import FLOAT_DTYPES, CheckpointTensor, WeightError, load_sharded
 
 
 def cdiv(a: int, b: int) -> int:

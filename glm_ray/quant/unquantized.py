@@ -7,8 +7,8 @@ from torch import nn
 
 from glm_ray import kernels
 from glm_ray.layer_contracts import LayerKind, layer_kind
-from glm_ray.weights import set_weight_attrs
 from glm_ray.quant.base import LinearMethod, MoEMethod, QuantConfig
+from glm_ray.weights import set_weight_attrs
 
 
 class UnquantizedLinearMethod(LinearMethod):

@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from glm_ray.engine.errors import EngineError, EngineOverloadedError, StepOutOfMemoryError
-from glm_ray.serve.request_context import current_request_id
 from glm_ray.serve.protocol import APIError, bad_request, format_validation_errors
+from glm_ray.serve.request_context import current_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +52,8 @@ def map_exception(exc: BaseException) -> APIError:
         if isinstance(e, EngineError):
             return _engine_error(e)
     try:
-        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
         from ray.exceptions import RayActorError
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
         for e in chain:
             if isinstance(e, BackPressureError):
                 headers = {}

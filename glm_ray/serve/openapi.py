@@ -17,8 +17,17 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from glm_ray.serve.protocol import (
-    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
-    DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     TokenizeResponse,
 )
 

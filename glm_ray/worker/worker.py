@@ -11,7 +11,7 @@ import torch
 
 from glm_ray import envs, kernels
 from glm_ray.config import EngineConfig, ModelConfig
-from glm_ray.distributed.parallel_state import enable_collective_timing, init_tensor_parallel, tp_rank
+from glm_ray.distributed.parallel_state import enable_collective_timing, init_tensor_parallel
 from glm_ray.engine.contract import ModelRunnerOutput, SchedulerOutput
 from glm_ray.model import MODEL_CLASSES
 from glm_ray.model.loader import init_dummy_weights, load_weights

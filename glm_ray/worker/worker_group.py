@@ -17,7 +17,6 @@ import logging
 import os
 import socket
 import time
-from dataclasses import replace
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
@@ -56,7 +55,7 @@ class WorkerActor:
         return ip, _free_port()
 
     def init(self, init_method: str) -> None:
-        from glm_ray.worker.worker import Worker   # deferred: the model stack loads in the actor, not the Router
+        from glm_ray.worker.worker import Worker  # deferred: the model stack loads in the actor, not the Router
         self.worker = Worker(self.cfg, rank=self.rank, init_method=init_method)
         self.worker.init_device()
 

@@ -4,12 +4,26 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from deploy_helpers import (
-    DASHBOARD, DS_VAR, RAY_SERVE_SERIES, REPO, RULES, grafana_var_refs, histogram_quantiles,
-    iter_panels, iter_strings, load_module, load_yaml, promql_selectors, run,
-    schema_file, selector_name, substitute_grafana_vars, tool,
+    DASHBOARD,
+    DS_VAR,
+    RAY_SERVE_SERIES,
+    REPO,
+    RULES,
+    grafana_var_refs,
+    histogram_quantiles,
+    iter_panels,
+    iter_strings,
+    load_module,
+    load_yaml,
+    promql_selectors,
+    run,
+    schema_file,
+    selector_name,
+    substitute_grafana_vars,
+    tool,
 )
+
 from glm_ray.serve import metrics as gm
 
 

@@ -12,10 +12,19 @@ import re
 
 import pytest
 import yaml
-
 from deploy_helpers import (
-    CRD_FILES, DASHBOARD, K8S, REPO, RULES, crd_errors, kustomize, load_module, load_yaml,
-    load_yaml_docs, run, tool,
+    CRD_FILES,
+    DASHBOARD,
+    K8S,
+    REPO,
+    RULES,
+    crd_errors,
+    kustomize,
+    load_module,
+    load_yaml,
+    load_yaml_docs,
+    run,
+    tool,
 )
 from serve_schema import validate_serve_config
 

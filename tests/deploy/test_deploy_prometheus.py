@@ -4,10 +4,16 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from deploy_helpers import (
-    RAY_SERVE_SERIES, RULES, RULES_TEST, load_yaml, promql_metric_names, run, tool,
+    RAY_SERVE_SERIES,
+    RULES,
+    RULES_TEST,
+    load_yaml,
+    promql_metric_names,
+    run,
+    tool,
 )
+
 from glm_ray.serve import metrics as gm
 
 REQUIRED_ALERTS = {"GlmRayTTFTP99High", "GlmRayHighErrorRatio", "GlmRayKVCacheNearFull",

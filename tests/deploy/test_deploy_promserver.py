@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from deploy_helpers import RULES, tool
 from promserver import PromQueryError, free_port, prometheus_server
 

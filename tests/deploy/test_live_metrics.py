@@ -27,12 +27,18 @@ import time
 import urllib.request
 
 import pytest
-
 from deploy_helpers import (
-    DASHBOARD, RULES, iter_panels, load_yaml, run, substitute_grafana_vars, tool,
+    DASHBOARD,
+    RULES,
+    iter_panels,
+    load_yaml,
+    run,
+    substitute_grafana_vars,
+    tool,
 )
-from glm_ray.serve import metrics as gm
 from promserver import PromServer
+
+from glm_ray.serve import metrics as gm
 
 TIMEOUT = 120
 MAX_TOKENS = 8

@@ -27,8 +27,8 @@ def test_alone_batched_chunked_preempted(oracle_dir):
     batched, _ = _gen(oracle_dir, others[:3] + [target] + others[3:])
     chunked, _ = _gen(oracle_dir, others[:2] + [target], max_num_batched_tokens=13)
     # ~ 11 blocks of 16 tokens for 7 requests growing to 60-90 tokens each: preemption must happen
-    from glm_ray.worker.cache import kv_bytes_per_token
     from glm_ray.config import ModelConfig
+    from glm_ray.worker.cache import kv_bytes_per_token
     per_tok = kv_bytes_per_token(ModelConfig.from_pretrained(oracle_dir, "float32"), torch.float32)
     preempted, llm = _gen(oracle_dir, others + [target], kv_cache_memory_bytes=per_tok * 16 * 11)
     assert llm.engine.num_preemptions > 0, "the small KV budget was meant to force preemption"

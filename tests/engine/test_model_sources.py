@@ -8,8 +8,8 @@ import pytest
 
 from glm_ray import LLM, SamplingParams
 from glm_ray.engine.tokenizer import synthetic_tokenizer
-from glm_ray.weights import WeightError
 from glm_ray.model.tiny import resolve_model
+from glm_ray.weights import WeightError
 
 
 def test_bundled_config_with_dummy_weights(tmp_path, monkeypatch):

@@ -59,6 +59,7 @@ def test_preemption_recomputes_latest_and_loses_nothing():
 
 def test_too_long_prompt_rejected(tiny_dir):
     import pytest
+
     from glm_ray import LLM
     from glm_ray.engine.errors import InvalidRequestError
     llm = LLM(tiny_dir, dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=64)

@@ -14,13 +14,19 @@ import torch
 from glm_ray import kernels
 from glm_ray.kernels.torch_ref.aiter_layout import shuffle_weight as ref_shuffle
 from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear, dequant_block_fp8
-from glm_ray.layers.linear import ColumnParallelLinear
 from glm_ray.layer_contracts import MoEContract
+from glm_ray.layers.linear import ColumnParallelLinear
 from glm_ray.layers.moe import FusedMoE
 from glm_ray.quant.config import UnsupportedQuantSchemeError
 from tests.kernels import fake_aiter
 from tests.quant.helpers import (
-    expert_tensors, expert_weights, fp8_config, load_module, quantize_tensor, quark_config, routing,
+    expert_tensors,
+    expert_weights,
+    fp8_config,
+    load_module,
+    quantize_tensor,
+    quark_config,
+    routing,
 )
 
 BF16 = torch.bfloat16

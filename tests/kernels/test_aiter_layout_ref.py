@@ -3,8 +3,15 @@ import pytest
 import torch
 
 from glm_ray.kernels.torch_ref.aiter_layout import (
-    deinterleave_gate_up_rows, e8m0_shuffle, e8m0_unshuffle, interleave_gate_up_rows, shuffle_weight,
-    unshuffle_weight, x_scale_col_major_bytes, x_scale_from_col_major_bytes, x_scale_to_col_major,
+    deinterleave_gate_up_rows,
+    e8m0_shuffle,
+    e8m0_unshuffle,
+    interleave_gate_up_rows,
+    shuffle_weight,
+    unshuffle_weight,
+    x_scale_col_major_bytes,
+    x_scale_from_col_major_bytes,
+    x_scale_to_col_major,
 )
 
 

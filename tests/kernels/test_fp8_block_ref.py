@@ -5,9 +5,19 @@ import pytest
 import torch
 
 from glm_ray.kernels.torch_ref.fp8 import (
-    FP8_DTYPE, FP8_FNUZ_DTYPE, block_fp8_linear, ceil_to_ue8m0, dequant_block_fp8, dequant_per_token_group,
-    fp32_pow2_to_e8m0_bytes, normalize_e4m3fn_to_e4m3fnuz, per_token_group_quant_fp8, quant_weight_block,
-    quant_weight_ue8m0, w8a8_block_fp8_matmul, w8a8_block_fp8_matmul_kblocked,
+    FP8_DTYPE,
+    FP8_FNUZ_DTYPE,
+    block_fp8_linear,
+    ceil_to_ue8m0,
+    dequant_block_fp8,
+    dequant_per_token_group,
+    fp32_pow2_to_e8m0_bytes,
+    normalize_e4m3fn_to_e4m3fnuz,
+    per_token_group_quant_fp8,
+    quant_weight_block,
+    quant_weight_ue8m0,
+    w8a8_block_fp8_matmul,
+    w8a8_block_fp8_matmul_kblocked,
 )
 
 

@@ -7,7 +7,9 @@ from glm_ray.kernels.torch_ref.aiter_layout import deinterleave_gate_up_rows, in
 from glm_ray.kernels.torch_ref.fp8 import dequant_block_fp8, quant_weight_block
 from glm_ray.kernels.torch_ref.moe import fused_moe_naive
 from glm_ray.kernels.torch_ref.moe_quant import (
-    fused_moe_w4a4_mxfp4, fused_moe_w8a8_block_fp8, qdq_fp8_1x128,
+    fused_moe_w4a4_mxfp4,
+    fused_moe_w8a8_block_fp8,
+    qdq_fp8_1x128,
 )
 from glm_ray.kernels.torch_ref.mxfp4 import dequant_mxfp4, qdq_mxfp4, quant_mxfp4
 

@@ -5,8 +5,17 @@ import pytest
 import torch
 
 from glm_ray.kernels.torch_ref.mxfp4 import (
-    canonical_scale_mode, dequant_mxfp4, e2m1_to_f32, e8m0_to_f32, f32_to_e2m1, mx_scale_exponent, mxfp4_linear,
-    pack_fp4, qdq_mxfp4, quant_mxfp4, unpack_fp4,
+    canonical_scale_mode,
+    dequant_mxfp4,
+    e2m1_to_f32,
+    e8m0_to_f32,
+    f32_to_e2m1,
+    mx_scale_exponent,
+    mxfp4_linear,
+    pack_fp4,
+    qdq_mxfp4,
+    quant_mxfp4,
+    unpack_fp4,
 )
 
 DOC_LUT = [0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6]

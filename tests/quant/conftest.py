@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glm_ray import kernels
-from glm_ray.kernels.torch_ref import fused_moe
-from glm_ray.kernels.torch_ref import quant_ops
+from glm_ray.kernels.torch_ref import fused_moe, quant_ops
 from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear, dequant_block_fp8
 from glm_ray.kernels.torch_ref.mxfp4 import dequant_mxfp4
+
 
 def write_base(path: Path, seed: int = 0, **overrides) -> Path:
     """Tiny GLM-5 via write_tiny with 16 indexer heads (as tests/conftest.py's oracle_dir: no top-k ties)."""
@@ -112,6 +112,7 @@ def weight_only_backend() -> str:
 def dense_reference(dense_ckpts):
     """(bf16 prompt logprobs, mean |dlogprob| of the unrelated model vs bf16) on dense_ckpts."""
     import numpy as np
+
     from tests.quant.helpers import prompt_logprobs
     base = prompt_logprobs(dense_ckpts["bf16"])
     return base, float(np.abs(prompt_logprobs(dense_ckpts["other"]) - base).mean())

@@ -7,11 +7,11 @@ import torch
 
 from glm_ray.kernels.torch_ref.fp8 import quant_weight_block
 from glm_ray.kernels.torch_ref.mxfp4 import quant_mxfp4
-from glm_ray.weights import CheckpointTensor
 from glm_ray.model.base import _checkpoint_names
 from glm_ray.model.quantize import _quark_fp8_block_layer, quark_quantization_config
 from glm_ray.quant.config import parse_quant_config
 from glm_ray.quant.dispatch import SpecQuantConfig
+from glm_ray.weights import CheckpointTensor
 
 FP8_QC = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 

@@ -7,8 +7,15 @@ import torch
 
 from glm_ray.kernels.torch_ref.fp8 import dequant_block_fp8, quant_weight_block
 from glm_ray.quant.config import (
-    UNQUANTIZED, Fp8BlockSpec, NoQuantSpec, QuantConfigError, QuantScheme, QuarkSpec, UnsupportedQuantSchemeError,
-    concat_block_fp8_shards, parse_quant_config,
+    UNQUANTIZED,
+    Fp8BlockSpec,
+    NoQuantSpec,
+    QuantConfigError,
+    QuantScheme,
+    QuarkSpec,
+    UnsupportedQuantSchemeError,
+    concat_block_fp8_shards,
+    parse_quant_config,
 )
 
 # ---------------------------------------------------------------- fp8 (zai-org/GLM-5.3-Flash style)

@@ -13,8 +13,8 @@ from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear, dequant_block_fp8
 from glm_ray.kernels.torch_ref.moe_quant import fused_moe_act_qdq, qdq_fp8_1x128
 from glm_ray.kernels.torch_ref.mxfp4 import dequant_mxfp4, mxfp4_linear, qdq_mxfp4
 from glm_ray.kernels.torch_ref.quant_ops import MoEQuantLayout
-from glm_ray.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.layer_contracts import GateMode, MoEContract
+from glm_ray.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.layers.moe import FusedMoE, MoE
 from glm_ray.model.base import _checkpoint_names
 from glm_ray.model.tiny import bundled_config
@@ -24,7 +24,13 @@ from glm_ray.quant.fp8 import Fp8BlockLinearMethod, Fp8BlockMoEMethod
 from glm_ray.quant.mxfp4 import Mxfp4LinearMethod, Mxfp4MoEMethod
 from glm_ray.quant.unquantized import UnquantizedLinearMethod, UnquantizedMoEMethod
 from tests.quant.helpers import (
-    expert_tensors, expert_weights, fp8_config, load_module, quantize_tensor, quark_config, routing,
+    expert_tensors,
+    expert_weights,
+    fp8_config,
+    load_module,
+    quantize_tensor,
+    quark_config,
+    routing,
 )
 
 E, H, I, T, K = 8, 256, 64, 12, 2

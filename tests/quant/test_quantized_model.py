@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 from glm_ray import LLM
-from glm_ray.weights import WeightError
 from glm_ray.quant.config import QuantConfigError, UnsupportedQuantSchemeError
+from glm_ray.weights import WeightError
 from tests.quant.conftest import dequantize_checkpoint
 from tests.quant.helpers import prompt_logprobs as _prompt_logprobs
 

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 from glm_ray.kernels.torch_ref.fp8 import dequant_block_fp8
 from tests.oracle import load_oracle, oracle_logprobs
-from tests.quant.helpers import prompt_logprobs as _prompt_logprobs, prompts as _prompts
+from tests.quant.helpers import prompt_logprobs as _prompt_logprobs
+from tests.quant.helpers import prompts as _prompts
 
 pytest.importorskip("accelerate")
 

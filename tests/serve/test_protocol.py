@@ -9,8 +9,16 @@ from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError, Invali
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.serve import protocol as P
 from glm_ray.serve.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
-    TokenizeCompletionRequest, check_prompt_fits, check_token_ids, parse_body, parse_tokenize_body,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    check_prompt_fits,
+    check_token_ids,
+    parse_body,
+    parse_tokenize_body,
     to_sampling_params,
 )
 

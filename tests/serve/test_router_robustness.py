@@ -9,7 +9,6 @@ import json
 import time
 
 import requests
-import pytest
 
 
 def _post(app, max_tokens, stream=False, timeout=120):

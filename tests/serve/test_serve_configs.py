@@ -112,6 +112,7 @@ def test_cli_serve_keeps_ray_on_loopback(monkeypatch):
     unless --ray-node-ip names another address; checked at the ray.init call, nothing is started."""
     import ray
     from ray._private import ray_constants
+
     from glm_ray import cli
 
     class Started(Exception):

@@ -65,7 +65,7 @@ class AiterKernels:
 
     def __init__(self, aiter_module=None):
         if aiter_module is None:
-            import aiter as aiter_module                                   # noqa: PLC0415 (lazy by design)
+            import aiter as aiter_module  # noqa: PLC0415 (lazy by design)
         from aiter.fused_moe import fused_moe
         from aiter.ops.shuffle import shuffle_weight
         from aiter.utility.fp4_utils import e8m0_shuffle

@@ -43,14 +43,13 @@ import torch.nn.functional as F
 
 from glm_ray import envs
 from glm_ray.kernels.cuda import layout as L
-from glm_ray.kernels.torch_ref import fused_moe as ref_fused_moe
 from glm_ray.kernels.table import KernelOps
+from glm_ray.kernels.torch_ref import fused_moe as ref_fused_moe
 from glm_ray.kernels.torch_ref import quant_ops as ref
-from glm_ray.kernels.torch_ref.fp8 import FP8_DTYPE
+from glm_ray.kernels.torch_ref.fp8 import FP8_DTYPE, per_token_group_quant_fp8
+from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
 from glm_ray.kernels.torch_ref.kda import kda_decode as ref_kda_decode
 from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref_mhc
-from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
-from glm_ray.kernels.torch_ref.fp8 import per_token_group_quant_fp8
 from glm_ray.kernels.torch_ref.mxfp4 import canonical_scale_mode
 
 logger = logging.getLogger(__name__)
@@ -76,7 +75,7 @@ class CudaKernels:
         self.broken: dict[str, str] = {}                             # op -> first kernel error
         self._sm: dict[int, tuple[int, int]] = {}
         try:
-            from glm_ray.kernels.cuda import triton_kernels as tk   # noqa: PLC0415 (imports triton)
+            from glm_ray.kernels.cuda import triton_kernels as tk  # noqa: PLC0415 (imports triton)
             self.tk, self.triton_error = tk, None
         except Exception as e:                                      # noqa: BLE001 — any import failure
             self.tk, self.triton_error = None, f"triton unavailable ({type(e).__name__}: {e})"
@@ -343,7 +342,7 @@ class CudaKernels:
         if reason is not None:
             self._fallback("mhc_coefficients", reason)
             return ref_mhc(m, base, scale, n, eps, iters)
-        from glm_ray.kernels.cuda.mhc import mhc_coefficients as fast   # noqa: PLC0415 (imports triton)
+        from glm_ray.kernels.cuda.mhc import mhc_coefficients as fast  # noqa: PLC0415 (imports triton)
         return self._guarded("mhc_coefficients", lambda: fast(m, base, scale, n, eps, iters),
                              lambda: ref_mhc(m, base, scale, n, eps, iters))
 
@@ -357,7 +356,7 @@ class CudaKernels:
         if reason is not None:
             self._fallback("kda_decode", reason)
             return ref_kda_decode(*args)
-        from glm_ray.kernels.cuda.kda import kda_decode as fast          # noqa: PLC0415 (imports triton)
+        from glm_ray.kernels.cuda.kda import kda_decode as fast  # noqa: PLC0415 (imports triton)
         # NOTE: the kernel writes the state in place; a failure before any store leaves it intact
         return self._guarded("kda_decode", lambda: fast(*args), lambda: ref_kda_decode(*args))
 
