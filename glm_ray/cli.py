@@ -73,7 +73,7 @@ def cmd_make_tiny(a) -> int:
 
 
 def cmd_generate(a) -> int:
-    from glm_ray.llm import LLM  # deferred: ray (the executor)
+    from glm_ray.llm import LLM  # noqa: PLC0415 - deferred: ray (the executor)
     llm = LLM(a.model, tensor_parallel_size=a.tp, device=a.device, dtype=a.dtype, load_format=a.load_format,
               kernel_backend=a.kernel_backend, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
@@ -142,13 +142,14 @@ def cmd_serve(a) -> int:
         # macOS/Windows) keeps 127.0.0.1 as the node IP, and with it every Ray port on loopback. Ray
         # reads the variable at import, in this process and in every process it starts.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    import ray
+    # ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import: every ray import comes after the line above
+    import ray  # noqa: PLC0415 - after the loopback setting above
     if loopback:
-        from ray._private import ray_constants
+        from ray._private import ray_constants  # noqa: PLC0415 - after the loopback setting above
         ray_constants.ENABLE_RAY_CLUSTER = False    # in case something imported ray before the line above
-    from ray import serve
+    from ray import serve  # noqa: PLC0415 - after the loopback setting above
 
-    from glm_ray.serve.app import build_app  # deferred: imports ray, after the loopback setting above
+    from glm_ray.serve.app import build_app  # noqa: PLC0415 - imports ray, after the loopback setting above
     if sa.model == "tiny":                      # write the cache once here, not in two replicas at once
         default_tiny_model()
     if a.address:
@@ -166,7 +167,7 @@ def cmd_serve(a) -> int:
         metrics_host = _url_host(a.ray_node_ip) if not a.address else "<each node>"
         try:
             logs = ray._private.worker._global_node.get_logs_dir_path()
-        except Exception:
+        except Exception:  # noqa: BLE001 - private Ray API, only for a hint: fall back to the default path
             logs = "/tmp/ray/session_latest/logs"
         auth = ("required: Authorization: Bearer <key> on /v1/* (from --api-key / GLM_RAY_API_KEY)"
                 if sa.api_key else "off (set --api-key or GLM_RAY_API_KEY to require one)")

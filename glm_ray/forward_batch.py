@@ -72,7 +72,8 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
         idx = torch.tensor(idx, dtype=torch.int64)
         groups.append(_group(ql[idx], cl[idx], starts[idx], bt[idx], block_size,
                              mode if mla_mode == "auto" else mla_mode) + (slots[idx], cl[idx] == ql[idx]))
-    to = lambda t: t.to(device, non_blocking=True)
+    def to(t):
+        return t.to(device, non_blocking=True)
     groups = tuple(AttnGroup(*(to(t) for t in g[:5]), max_context_len=g[5], mla_mode=g[6],
                              state_slots=to(g[7]), state_fresh=to(g[8]))
                    for g in groups)

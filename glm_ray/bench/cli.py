@@ -189,7 +189,7 @@ def _run_report(args) -> int:
 
 
 def _run_bench(args) -> int:
-    from glm_ray.bench import client  # deferred: aiohttp (the `bench` extra)
+    from glm_ray.bench import client  # noqa: PLC0415 - deferred: aiohttp (the `bench` extra)
 
     extra: dict = {}
     if args.extra_body:

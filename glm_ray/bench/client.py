@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import aiohttp
 import numpy as np
+from tqdm.auto import tqdm
 
 from glm_ray.bench.metrics import RequestRecord, RunSummary, summarize
 
@@ -335,7 +336,6 @@ async def run_once(
 
     pbar = None
     if cfg.show_progress:
-        from tqdm.auto import tqdm
         pbar = tqdm(total=n, desc=f"C={concurrency} rep {repetition + 1}/{cfg.repetitions}",
                     unit="req", leave=False, dynamic_ncols=True)
 

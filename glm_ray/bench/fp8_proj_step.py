@@ -101,7 +101,8 @@ def run(model: str | None, tokens: list[int], seq_len: int, iters: int, **engine
             ref = m.apply(mod, x).float()
             _set([m], True, min_tokens)
             err = max(err, float((m.apply(mod, x).float() - ref).norm() / ref.norm()))
-        med = lambda v: statistics.median(v) * 1e3
+        def med(v):
+            return statistics.median(v) * 1e3
         s_on, s_off, g_on, g_off = med(t[True]), med(t[False]), med(p[True]), med(p[False])
         rows.append({"model": model, "tokens": M, "seq_len": seq_len, "iters": iters, "num_projections": len(projs),
                      "step_ms_off": s_off, "step_ms_on": s_on, "step_delta": s_on / s_off - 1,

@@ -42,7 +42,8 @@ def run(model: str | None, batches: list[int], input_len: int, output_len: int, 
         eng.step = orig_step
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         decode = [s for s in steps if s[4] == B and s[5] == B]      # pure decode steps at full batch
-        med = lambda xs: statistics.median(xs) if xs else float("nan")
+        def med(xs):
+            return statistics.median(xs) if xs else float("nan")
         step_total = med([s[0] + s[1] + s[2] for s in decode])
         fwd = med([s[3].get("forward", 0.0) for s in decode])
         prep = med([s[3].get("prepare", 0.0) for s in decode])

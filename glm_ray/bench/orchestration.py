@@ -8,8 +8,10 @@ the workers' own prepare+forward+sample) and its share of the step. In-process (
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
+import ray
 import torch
 
 from glm_ray import envs
@@ -35,7 +37,6 @@ def measure(model, tp: int, mode: str, batch: int, steps: int, **kw) -> dict:
     if mode != "local":
         llm.engine.executor.shutdown()
     del llm
-    import gc
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -58,7 +59,6 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.time_collectives:
         os.environ[envs.TIME_COLLECTIVES.name] = "1"       # inherited by the worker actors
-    import ray
     if not ray.is_initialized():
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",

@@ -310,9 +310,9 @@ def format_run_detail(row: dict[str, Any]) -> str:
 # Plots
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - matplotlib (the `bench` extra), only to plot
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after selecting the Agg backend
     return plt
 
 

@@ -7,6 +7,8 @@ import json
 import logging
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -18,8 +20,7 @@ def has_tokenizer(path: str | Path) -> bool:
 
 
 def synthetic_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - transformers is heavy: only to build one
     vocab = {f"<{i}>": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()                   # "<1> <2>" -> "<1>", "<2>"
@@ -41,14 +42,14 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None):
             raise FileNotFoundError(f"{path}: no tokenizer files and no config.json to size a synthetic one")
         logger.warning("%s has no tokenizer: using a synthetic one-token-per-id tokenizer (%d ids)", path, vocab_size)
         return synthetic_tokenizer(vocab_size)
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 - transformers is heavy: only to load one
     try:
         return AutoTokenizer.from_pretrained(str(p))
     except Exception as e:   # e.g. an older transformers that rejects newer config.json fields
         if not (p / "tokenizer.json").is_file():
             raise
         logger.warning("AutoTokenizer failed for %s (%s); loading tokenizer.json directly", path, e)
-        from transformers import PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - transformers is heavy: fallback path
         tc = json.loads((p / "tokenizer_config.json").read_text()) if (p / "tokenizer_config.json").is_file() else {}
         tok = PreTrainedTokenizerFast(tokenizer_file=str(p / "tokenizer.json"),
                                       **{k: tc[k] for k in ("eos_token", "pad_token", "bos_token") if tc.get(k)})

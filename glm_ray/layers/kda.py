@@ -68,8 +68,11 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound = cfg.linear_lower_bound
         self.layer_idx = layer_idx
         common = dict(quant_config=quant_config, params_dtype=params_dtype)
-        col = lambda i, o, name: ColumnParallelLinear(i, o, prefix=f"{prefix}.{name}", tp=tp, **common)
-        rep = lambda i, o, name: ReplicatedLinear(i, o, prefix=f"{prefix}.{name}", **common)
+        def col(i, o, name):
+            return ColumnParallelLinear(i, o, prefix=f"{prefix}.{name}", tp=tp, **common)
+
+        def rep(i, o, name):
+            return ReplicatedLinear(i, o, prefix=f"{prefix}.{name}", **common)
         self.q_proj, self.k_proj, self.v_proj = (col(D, H * dk, n) for n in ("q_proj", "k_proj", "v_proj"))
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConv(H * dk, self.K, tp) for _ in range(3))
         self.f_a_proj = rep(D, dk, "f_a_proj")

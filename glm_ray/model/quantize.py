@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -254,7 +255,6 @@ TINY_QUANT = {"fp8": "fp8-block", "mxfp4": "quark-mxfp4-moe"}
 
 def make_tiny_quantized(out_dir: str | os.PathLike, quant: str, config: dict | None = None, seed: int = 0) -> Path:
     """`glm-ray make-tiny DIR --quant fp8|mxfp4`: write_tiny into a scratch dir next to DIR, quantize into DIR."""
-    import tempfile
     if quant not in TINY_QUANT:
         raise ValueError(f"--quant must be one of {sorted(TINY_QUANT)}, got {quant!r}")
     out = Path(out_dir)

@@ -14,15 +14,23 @@ config.json of a real checkpoint (`text_config`), with its tensors under `model.
 """
 from __future__ import annotations
 
+import collections
 import fcntl
+import functools
+import hashlib
+import itertools
 import json
 import logging
 import os
+import pathlib
+import string
+import textwrap
 from importlib import resources
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from glm_ray import envs
 from glm_ray.config import ModelConfig
@@ -55,15 +63,8 @@ def bundled_config(name: str = "glm5-tiny.json") -> dict:
 
 def _corpus() -> list[str]:
     """Plain English + code text available offline: docstrings of a fixed set of stdlib modules."""
-    import collections
-    import functools
-    import itertools
-    import json as _json
-    import pathlib
-    import string
-    import textwrap
     lines = []
-    for mod in (collections, functools, itertools, _json, pathlib, string, textwrap):
+    for mod in (collections, functools, itertools, json, pathlib, string, textwrap):
         for obj in [mod, *vars(mod).values()]:
             doc = getattr(obj, "__doc__", None)
             if isinstance(doc, str):
@@ -74,8 +75,7 @@ def _corpus() -> list[str]:
 
 
 def build_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - transformers is heavy (`glm-ray` CLI imports this module)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -209,7 +209,6 @@ def resolve_model(model: str | None) -> str:
         except (FileNotFoundError, OSError):
             raise FileNotFoundError(f"model {model!r}: not a directory, a config.json, or a bundled config "
                                     f"({', '.join(sorted(n.name for n in resources.files('glm_ray.configs').iterdir() if n.name.endswith('.json')))})") from None
-    import hashlib
     d = cache_dir() / "configs" / f"{stem}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
     d.mkdir(parents=True, exist_ok=True)
     if not (d / "config.json").is_file():

@@ -18,6 +18,8 @@ import types
 import typing
 from dataclasses import asdict, dataclass, fields
 
+import torch
+
 from glm_ray import envs
 from glm_ray.model.tiny import resolve_model
 
@@ -108,7 +110,6 @@ class ServeArgs:
 
     def uses_gpu(self) -> bool:
         if self.device == "auto":
-            import torch
             return torch.cuda.is_available()
         return self.device == "cuda"
 

@@ -58,7 +58,7 @@ class TokenStrings:
         try:
             self._added: dict[int, str] = {int(i): str(getattr(t, "content", t))
                                            for i, t in tokenizer.added_tokens_decoder.items()}
-        except Exception:
+        except Exception:  # noqa: BLE001 - any tokenizer type: no added-token table, decode them instead
             self._added = {}
         self._bytes: dict[int, bytes] = {}
         self._text: dict[int, str] = {}
@@ -87,12 +87,12 @@ class TokenStrings:
         if self.byte_level:
             try:
                 piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            except Exception:
+            except Exception:  # noqa: BLE001 - any tokenizer type: fall back to decode() below
                 piece = None
             if isinstance(piece, str) and piece and all(c in _BYTE_DECODER for c in piece):
                 return bytes(_BYTE_DECODER[c] for c in piece)
         try:
             s = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        except Exception:
+        except Exception:  # noqa: BLE001 - an undecodable id renders as "", never fails the response
             s = ""
         return s.encode("utf-8")

@@ -52,8 +52,8 @@ def map_exception(exc: BaseException) -> APIError:
         if isinstance(e, EngineError):
             return _engine_error(e)
     try:
-        from ray.exceptions import RayActorError
-        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+        from ray.exceptions import RayActorError  # noqa: PLC0415 - ray stays optional here (ImportError below)
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError  # noqa: PLC0415 - as above
         for e in chain:
             if isinstance(e, BackPressureError):
                 headers = {}
@@ -71,7 +71,7 @@ def map_exception(exc: BaseException) -> APIError:
 
 def _is_ray_wrapper(e: BaseException) -> bool:
     try:
-        from ray.exceptions import RayTaskError
+        from ray.exceptions import RayTaskError  # noqa: PLC0415 - ray stays optional here (ImportError below)
         return isinstance(e, RayTaskError)
     except ImportError:  # pragma: no cover
         return False

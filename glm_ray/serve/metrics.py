@@ -226,16 +226,16 @@ def detect_backend() -> str:
         try:
             serve.get_replica_context()
             return "serve"
-        except Exception:  # RayServeException: not in a replica
+        except Exception:  # noqa: BLE001 - a probe: RayServeException (or any failure) = not in a replica
             pass
     return "ray"
 
 
 def _metric_classes(backend: str) -> tuple[Any, Any, Any]:
     if backend == "serve":
-        from ray.serve import metrics as m
+        from ray.serve import metrics as m  # noqa: PLC0415 - ray: this module imports nothing of it
     else:
-        from ray.util import metrics as m
+        from ray.util import metrics as m  # noqa: PLC0415 - ray: this module imports nothing of it
     return m.Counter, m.Gauge, m.Histogram
 
 
@@ -314,7 +314,7 @@ class EngineMetrics:
         try:
             self._ttft(float(ttft_s))
             self._queue(float(queue_s))
-        except Exception as e:  # never break the engine loop over a metric
+        except Exception as e:  # noqa: BLE001 - never break the engine loop over a metric
             self._failed("on_first_token", e)
 
     def on_tokens(self, itl_s: Iterable[float]) -> None:
@@ -324,7 +324,7 @@ class EngineMetrics:
             observe = self._itl
             for x in itl_s:
                 observe(x if type(x) is float else float(x))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - never break the engine loop over a metric
             self._failed("on_tokens", e)
 
     def on_request_finished(self, e2e_s: float, tpot_s: float | None, num_prompt_tokens: int,
@@ -344,7 +344,7 @@ class EngineMetrics:
                 self._warn_once(f"unknown finish_reason {finish_reason!r}, counted as 'error'")
                 tags = self._finish_tags["error"]
             self._finished(1, tags)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - never break the engine loop over a metric
             self._failed("on_request_finished", e)
 
     def on_error(self, error_type: str) -> None:
@@ -357,7 +357,7 @@ class EngineMetrics:
                 if len(self._error_tags) < 256:
                     self._error_tags[error_type] = tags
             self._errors(1, tags)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - never break the engine loop over a metric
             self._failed("on_error", e)
 
     def on_step(self, num_running: int, num_waiting: int, kv_usage: float, prefill_tokens: int,
@@ -382,7 +382,7 @@ class EngineMetrics:
                 self._decode_batch(int(decode_batch_size))
             if num_preemptions > 0:
                 self._preemptions(int(num_preemptions))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - never break the engine loop over a metric
             self._failed("on_step", e)
 
     # ------------------------------------------------------------------ internals

@@ -16,7 +16,7 @@ import hmac
 
 def current_request_id() -> str:
     try:
-        from ray.serve.context import _get_serve_request_context
+        from ray.serve.context import _get_serve_request_context  # noqa: PLC0415 - ray, only in a Serve replica
         return _get_serve_request_context().request_id or ""
     except Exception:  # noqa: BLE001 - outside a Serve replica (unit tests)
         return ""

@@ -37,5 +37,5 @@ def make_executor(cfg: EngineConfig, executor: str = "auto"):
     """"local" (in-process, TP=1) or "ray" (one worker actor per rank); "auto" = local iff TP=1."""
     if executor == "local" or (executor == "auto" and cfg.parallel.tensor_parallel_size == 1):
         return LocalExecutor(cfg)
-    from glm_ray.worker.worker_group import RayWorkerGroup  # deferred: ray, only for TP > 1
+    from glm_ray.worker.worker_group import RayWorkerGroup  # noqa: PLC0415 - deferred: ray, only for TP > 1
     return RayWorkerGroup(cfg)

@@ -341,7 +341,8 @@ def test_kda_decode(ck, B):
     """KDA decode step at GLM-5.3-Flash head shapes (dk = dv = 128), state updated in place at the slots."""
     from glm_ray.kernels.torch_ref.kda import kda_decode as ref
     g = torch.Generator(device="cuda").manual_seed(B)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    def r(*s):
+        return torch.randn(*s, device="cuda", generator=g)
     q, k, v = r(B, 8, 128).bfloat16(), r(B, 8, 128).bfloat16(), r(B, 8, 128).bfloat16()
     gate, beta = -torch.rand(B, 8, 128, device="cuda", generator=g) * 2, torch.rand(B, 8, device="cuda", generator=g)
     state = r(96, 8, 128, 128)

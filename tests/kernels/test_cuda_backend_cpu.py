@@ -352,7 +352,8 @@ def test_mhc_coefficients_fall_back_on_cpu(cuda_backend):
 
 def _kda_case(B, H, dk, dv, S, seed=0, device="cpu"):
     g = torch.Generator(device=device).manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, device=device)
+    def r(*s):
+        return torch.randn(*s, generator=g, device=device)
     q, k, v = r(B, H, dk), r(B, H, dk), r(B, H, dv)
     gate = -torch.rand(B, H, dk, generator=g, device=device) * 2                # log-decay <= 0
     beta = torch.rand(B, H, generator=g, device=device)

@@ -74,7 +74,8 @@ def test_only_q_b_and_o_proj_and_only_unquantized():
     ov = Fp8ProjOverlay(Unquantized(), force=True)
     from glm_ray.layers.linear import ReplicatedLinear
     dummy = object.__new__(ReplicatedLinear)
-    pick = lambda p: type(ov.get_method(dummy, p)).__name__
+    def pick(p):
+        return type(ov.get_method(dummy, p)).__name__
     assert pick("model.layers.3.self_attn.q_b_proj") == "Fp8ProjGemmMethod"
     assert pick("model.layers.3.self_attn.o_proj") == "Fp8ProjGemmMethod"
     for other in ("model.layers.3.self_attn.kv_b_proj", "model.layers.3.self_attn.q_a_proj",

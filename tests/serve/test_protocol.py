@@ -405,7 +405,7 @@ def test_format_validation_errors():
 
 @pytest.fixture(scope="module")
 def bpe_tokenizer(tmp_path_factory):
-    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -31,7 +31,8 @@ def test_penalties_match_formula():
 
 def test_top_k_top_p_min_p_masks():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]]))
-    keep = lambda **kw: torch.isfinite(_filter(logits.clone(), _rows([SamplingParams(temperature=1.0, **kw)]))[0])
+    def keep(**kw):
+        return torch.isfinite(_filter(logits.clone(), _rows([SamplingParams(temperature=1.0, **kw)]))[0])
     assert keep(top_k=2).tolist() == [True, True, False, False, False]
     # top-p 0.8: mass before token i is 0, .4, .7, .85 -> keep while < 0.8
     assert keep(top_p=0.8).tolist() == [True, True, True, False, False]

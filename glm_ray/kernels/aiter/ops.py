@@ -66,9 +66,9 @@ class AiterKernels:
     def __init__(self, aiter_module=None):
         if aiter_module is None:
             import aiter as aiter_module  # noqa: PLC0415 (lazy by design)
-        from aiter.fused_moe import fused_moe
-        from aiter.ops.shuffle import shuffle_weight
-        from aiter.utility.fp4_utils import e8m0_shuffle
+        from aiter.fused_moe import fused_moe  # noqa: PLC0415 - aiter (optional, ROCm only)
+        from aiter.ops.shuffle import shuffle_weight  # noqa: PLC0415 - aiter (optional, ROCm only)
+        from aiter.utility.fp4_utils import e8m0_shuffle  # noqa: PLC0415 - aiter (optional, ROCm only)
         self.aiter = aiter_module
         self.dtypes = aiter_module.dtypes
         self.QuantType = aiter_module.QuantType
