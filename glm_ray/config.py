@@ -152,10 +152,6 @@ class ModelConfig:
     def full_indexer_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.indexer_types) if t == "full"]
 
-    @property
-    def mtp_layer_index(self) -> int:
-        return self.num_hidden_layers
-
     # ---- construction ----------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = "auto") -> "ModelConfig":

@@ -84,13 +84,6 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device_type: st
     return _TP
 
 
-def destroy_tensor_parallel() -> None:
-    global _TP
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _TP = TPState()
-
-
 def tp_rank() -> int:
     return _TP.rank
 

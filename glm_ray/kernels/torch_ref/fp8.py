@@ -151,12 +151,6 @@ def quant_weight_ue8m0(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> 
     return quant_weight_block(w, tuple(block), ue8m0=True)
 
 
-def requant_weight_ue8m0(w: torch.Tensor, scale_inv: torch.Tensor,
-                         block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Re-quantize a block-FP8 weight with arbitrary fp32 scales to power-of-two (UE8M0) scales."""
-    return quant_weight_ue8m0(dequant_block_fp8(w, scale_inv, block), block)
-
-
 def normalize_e4m3fn_to_e4m3fnuz(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gfx942 only: reinterpret e4m3fn bits as e4m3fnuz (value halves) and double the scale.
 
