@@ -75,7 +75,7 @@ def _corpus() -> list[str]:
 
 
 def build_tokenizer(vocab_size: int):
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - transformers is heavy (`glm-ray` CLI imports this module)
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - heavy; the `glm-ray` CLI imports tiny.py
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -138,7 +138,7 @@ class RayWorkerGroup:
 
     def _compile(self):
         try:
-            from ray.dag import InputNode, MultiOutputNode  # noqa: PLC0415 - only for compiled graphs; failure falls back
+            from ray.dag import InputNode, MultiOutputNode  # noqa: PLC0415 - compiled graphs only; falls back
             with InputNode() as step:
                 dag = MultiOutputNode([a.execute.bind(step) for a in self.actors])
             compiled = dag.experimental_compile(_submit_timeout=600)
