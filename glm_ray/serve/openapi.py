@@ -92,7 +92,9 @@ def _responses(route: Route, auth: bool) -> dict[str, Any]:
     if route.response is not None:
         ok["content"] = {"application/json": {"schema": {"$ref": _REF.format(model=route.response.__name__)}}}
         if route.streams:
-            ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+            # OpenAPI < 3.2: `schema` describes one event; each carries a JSON chunk (or [DONE]) as data
+            ok["content"]["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
+                                                             "properties": {"data": {"type": "string"}}}}
     out = {"200": ok}
     errors = set(route.errors) | ({401} if auth and route.auth else set())
     error_body = {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}

@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Protocol, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from typing_extensions import Annotated
 
 from glm_ray.engine.sampling_params import (
@@ -197,12 +197,25 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: Optional[bool] = False
 
 
-def bounded(name: str, default: Any = None, **kw) -> Any:
-    """A request field with the engine's bound for `name` (BOUNDS), which the OpenAPI schema shows."""
-    return Field(default, **BOUNDS[name].pydantic_kwargs(), **kw)
+def _integral(v: Any) -> Any:
+    """JSON Schema's `integer` is a mathematical one: 817.0 is an integer (true and "817" are not: strict
+    mode rejects those)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
-TokenId = Annotated[int, Field(**BOUNDS["stop_token_id"].pydantic_kwargs())]
+JsonInt = Annotated[int, BeforeValidator(_integral)]
+
+
+def Bounded(name: str) -> Any:  # noqa: N802 - a type factory, used in annotations
+    """The type of a request field with the engine's bound for `name` (BOUNDS): the OpenAPI schema shows
+    it as minimum/maximum."""
+    bound = BOUNDS[name]
+    if bound.integer:       # NOTE: the constraint before the validator, so the schema shows minimum/maximum
+        return Annotated[int, Field(**bound.pydantic_kwargs()), BeforeValidator(_integral)]
+    return Annotated[float, Field(**bound.pydantic_kwargs())]
+
+
+TokenId = Bounded("stop_token_id")
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 # Longest token list /detokenize takes (its output grows with it).
@@ -213,21 +226,21 @@ StopString = Annotated[str, Field(min_length=1)]
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. `None` = "use the default"."""
     model: Optional[str] = None
-    n: Optional[int] = bounded("n", 1)
-    temperature: Optional[float] = bounded("temperature")
-    top_p: Optional[float] = bounded("top_p")
-    top_k: Optional[int] = bounded("top_k")
-    min_p: Optional[float] = bounded("min_p")
-    seed: Optional[int] = bounded("seed")
-    max_tokens: Optional[int] = bounded("max_tokens")
-    min_tokens: Optional[int] = bounded("min_tokens", 0)
+    n: Optional[Bounded("n")] = 1
+    temperature: Optional[Bounded("temperature")] = None
+    top_p: Optional[Bounded("top_p")] = None
+    top_k: Optional[Bounded("top_k")] = None
+    min_p: Optional[Bounded("min_p")] = None
+    seed: Optional[Bounded("seed")] = None
+    max_tokens: Optional[Bounded("max_tokens")] = None
+    min_tokens: Optional[Bounded("min_tokens")] = 0
     stop: Union[StopString, list[StopString], None] = None
     stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: Optional[bool] = False
-    presence_penalty: Optional[float] = bounded("presence_penalty")
-    frequency_penalty: Optional[float] = bounded("frequency_penalty")
-    repetition_penalty: Optional[float] = bounded("repetition_penalty")
-    prompt_logprobs: Optional[int] = bounded("prompt_logprobs")
+    presence_penalty: Optional[Bounded("presence_penalty")] = None
+    frequency_penalty: Optional[Bounded("frequency_penalty")] = None
+    repetition_penalty: Optional[Bounded("repetition_penalty")] = None
+    prompt_logprobs: Optional[Bounded("prompt_logprobs")] = None
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
     stream: Optional[bool] = False
@@ -248,11 +261,11 @@ class _SamplingRequest(OpenAIBaseModel):
 class CompletionRequest(_SamplingRequest):
     prompt: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)], TokenIds,
                   Annotated[list[TokenIds], Field(min_length=1)]]
-    max_tokens: Optional[int] = bounded("max_tokens", 16)   # OpenAI's and vLLM's default for completions
+    max_tokens: Optional[Bounded("max_tokens")] = 16   # OpenAI's and vLLM's default for completions
     echo: Optional[bool] = False
-    logprobs: Optional[int] = bounded("logprobs")
+    logprobs: Optional[Bounded("logprobs")] = None
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    best_of: Optional[JsonInt] = None
     add_special_tokens: Optional[bool] = True
 
     def prompt_list(self) -> list[Union[str, list[int]]]:
@@ -334,9 +347,9 @@ ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, Tool
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = bounded("max_tokens")
+    max_completion_tokens: Optional[Bounded("max_tokens")] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = bounded("logprobs")
+    top_logprobs: Optional[Bounded("logprobs")] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
