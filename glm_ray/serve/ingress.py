@@ -342,7 +342,8 @@ class OpenAIIngress:
                 info = {}
             self._openapi = build_openapi(fastapi_app.routes, title=fastapi_app.title, version=_version(),
                                           model_name=self.served_model_name, vocab_size=info.get("vocab_size"),
-                                          auth=bool(self.api_key))
+                                          auth=bool(self.api_key),
+                                          request_chat_template=self.trust_request_chat_template)
         schema = dict(self._openapi)
         root = request.scope.get("root_path", "").rstrip("/")
         if root:

@@ -64,7 +64,8 @@ ROUTES: dict[tuple[str, str], Route] = {
 
 
 def build_openapi(routes, *, title: str, version: str, model_name: str | None = None,
-                  vocab_size: int | None = None, auth: bool = False) -> dict[str, Any]:
+                  vocab_size: int | None = None, auth: bool = False,
+                  request_chat_template: bool = False) -> dict[str, Any]:
     schema = get_openapi(title=title, version=version, routes=routes)
     models: list[type[BaseModel]] = [ErrorResponse]
     for r in ROUTES.values():
@@ -73,7 +74,7 @@ def build_openapi(routes, *, title: str, version: str, model_name: str | None = 
     _, defs = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.update(defs.get("$defs", {}))
-    _specialize(components, model_name, vocab_size)
+    _specialize(components, model_name, vocab_size, request_chat_template)
     for (path, method), route in ROUTES.items():
         op = schema.get("paths", {}).get(path, {}).get(method)
         if op is None:
@@ -107,11 +108,17 @@ def _responses(route: Route, auth: bool) -> dict[str, Any]:
     return out
 
 
-def _specialize(components: dict[str, Any], model_name: str | None, vocab_size: int | None) -> None:
-    """Per deployment: `model` is the served id; token ids are below the vocabulary size."""
+def _specialize(components: dict[str, Any], model_name: str | None, vocab_size: int | None,
+                request_chat_template: bool) -> None:
+    """Per deployment: `model` is the served id; token ids are below the vocabulary size; a request-level
+    `chat_template` only where the server trusts them."""
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest", "TokenizeChatRequest",
                  "DetokenizeRequest"):
         props = components.get(name, {}).get("properties", {})
+        if "chat_template" in props and not request_chat_template:
+            props["chat_template"] = {"type": "null", "default": None, "title": "Chat Template",
+                                      "description": "refused: the server runs without "
+                                                     "--trust-request-chat-template"}
         if model_name and "model" in props:
             props["model"] = {"anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}],
                               "title": "Model", "default": None}

@@ -21,9 +21,17 @@ CLAMP_TOKENS = 8
 
 
 def clamp_positive_body(path: str, body: Any) -> Any:
+    """A schema-valid generation body made short (max_tokens <= 8, n <= 4) and consistent with the
+    relations between fields that JSON Schema cannot state, each a documented 400 of the server:
+    min_tokens <= max_tokens, best_of == n, top_logprobs only with logprobs: true,
+    add_generation_prompt and continue_final_message not both true."""
     if path not in GENERATION_PATHS or not isinstance(body, dict):
         return body
     body = dict(body)
+    if body.get("top_logprobs") is not None and path == "/v1/chat/completions":
+        body["logprobs"] = True
+    if body.get("add_generation_prompt", True) and body.get("continue_final_message"):
+        body["continue_final_message"] = False
     mt_keys = [k for k in ("max_tokens", "max_completion_tokens") if k in body] or ["max_tokens"]
     for k in mt_keys:
         v = body.get(k)
