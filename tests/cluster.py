@@ -126,7 +126,9 @@ def _deploy(cluster: Cluster, tmp: Path, extra_apps: list[dict], timeout: float)
     for a in cfg["applications"]:
         prefix = a["route_prefix"].rstrip("/")
         base = f"http://127.0.0.1:{http_port}{prefix}"
-        info = json.load(urllib.request.urlopen(base + "/v1/models", timeout=30))["data"][0]
+        key = a["args"].get("api_key")
+        req = urllib.request.Request(base + "/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+        info = json.load(urllib.request.urlopen(req, timeout=30))["data"][0]
         cluster.apps[a["name"]] = ServedApp(a["name"], base, info["id"], info.get("max_model_len", 0),
                                             info.get("vocab_size", 0))
     return cluster

@@ -53,6 +53,8 @@ def oracle_dir(tiny_variants) -> str:
 # ---- one Ray + Serve cluster for the session -----------------------------------------------------
 from tests.reliability.apps import FAULTS_APP  # noqa: E402
 
+SECURE_API_KEY = "test-key-7f3a"
+
 EXTRA_APPS = [
     {"name": "tp2", "route_prefix": "/tp2", "args": {"tp": 2, "served_model_name": "glm5-tiny-tp2"}},
     {"name": "fp8on", "route_prefix": "/fp8on", "args": {"fp8_proj_gemm": True,
@@ -62,6 +64,10 @@ EXTRA_APPS = [
                                                          "served_model_name": "glm5-tiny-small"}},
     # tests/reliability: a 1280-token KV cache (4x overload = a handful of requests) + fault injection
     FAULTS_APP,
+    # access control: an API key on /v1/*, request-level chat templates trusted (tests/serve/test_access.py)
+    {"name": "secure", "route_prefix": "/secure", "args": {"api_key": SECURE_API_KEY, "trust_request_chat_template": True,
+                                                           "max_num_seqs": 4, "kv_cache_memory_gb": 0.05,
+                                                           "served_model_name": "glm5-tiny-secure"}},
 ]
 
 
