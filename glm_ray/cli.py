@@ -14,6 +14,7 @@ from glm_ray.bench import cli as bench_cli
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.model import quantize
 from glm_ray.model.tiny import bundled_config, default_tiny_model, write_tiny
+from glm_ray.serve import proxy_middleware
 from glm_ray.serve.args import ServeArgs
 
 
@@ -136,6 +137,8 @@ def cmd_serve(a) -> int:
     app_args = serve_app_args(a)
     sa = ServeArgs.from_dict(app_args)          # bad flags fail here, before Ray starts
     loopback = not a.address and _is_loopback(a.ray_node_ip)
+    # the proxy's request-id guard (serve/proxy_middleware.py), read by the proxy actor Ray starts here
+    os.environ.setdefault(proxy_middleware.ENV, proxy_middleware.IMPORT_PATH)
     if loopback:
         # NOTE: on Linux Ray swaps a loopback node IP for the host's reachable IP, and its gRPC servers
         # (GCS, raylet, workers) then listen on every interface. Ray's single-node mode (its default on

@@ -80,7 +80,8 @@ def test_config(http_port: int, extra_apps: list[dict]) -> dict:
 
 
 def start(tmp: Path, extra_apps: list[dict], timeout: float = 600) -> Cluster:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0",
+               RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH="glm_ray.serve.proxy_middleware:proxy_middlewares")
     gcs_port, dash_port, metrics_port, http_port = free_port(), free_port(), free_port(), free_port()
     # NOTE: every port explicit (none of Ray's defaults), so this cluster can run beside another one
     other = {flag: free_port() for flag in ("ray-client-server-port", "dashboard-agent-listen-port",

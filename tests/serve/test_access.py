@@ -70,3 +70,23 @@ def test_request_chat_template_refused_unless_trusted(tiny_server, secure):
     r = requests.post(secure.base_url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
                                                            "chat_template": evil}, timeout=30)
     assert r.status_code == 400 and "template" in r.json()["error"]["message"]
+
+
+def test_request_id_header_that_is_not_ascii_is_replaced(tiny_server):
+    """Serve's proxy decodes a client's x-request-id as UTF-8 before any app code runs; our proxy
+    middleware (serve/proxy_middleware.py) drops one that is not printable ASCII (found by fuzzing:
+    `x-request-id: Bearer \\xff` made the proxy answer a bare 500)."""
+    import http.client
+    from urllib.parse import urlsplit
+    u = urlsplit(tiny_server.base_url)
+    for value in (b"Bearer \xff", "\u00e9t\u00e9".encode("latin-1"), b"ok-id-123"):
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        conn.putrequest("GET", u.path + "/v1/models")
+        conn.putheader(b"x-request-id", value)
+        conn.endheaders()
+        r = conn.getresponse()
+        body = r.read()
+        assert r.status == 200, (value, r.status, body[:200])
+        rid = r.getheader("x-request-id")
+        assert rid and (rid == value.decode() if value == b"ok-id-123" else rid.isascii()), rid
+        conn.close()
