@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Protocol, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from typing_extensions import Annotated
 
 from glm_ray.engine.sampling_params import (
@@ -223,6 +223,10 @@ MAX_DETOKENIZE_TOKENS = 2**20
 StopString = Annotated[str, Field(min_length=1)]
 
 
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text"] = "text"             # json_object / json_schema: not supported yet
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. `None` = "use the default"."""
     model: Optional[str] = None
@@ -246,8 +250,16 @@ class _SamplingRequest(OpenAIBaseModel):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    logit_bias: Optional[dict[str, float]] = None
-    response_format: Optional[dict[str, Any]] = None
+    # Not supported (yet): the schema says so (no entries / only "text"), and so do the 400s.
+    logit_bias: Optional[dict[str, float]] = Field(None, json_schema_extra={"maxProperties": 0})
+    response_format: Optional[ResponseFormat] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
 
     @property
     def include_usage(self) -> bool:
@@ -264,7 +276,14 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: Optional[Bounded("max_tokens")] = 16   # OpenAI's and vLLM's default for completions
     echo: Optional[bool] = False
     logprobs: Optional[Bounded("logprobs")] = None
-    suffix: Optional[str] = None
+    suffix: Optional[str] = Field(None, json_schema_extra={"maxLength": 0})
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
     best_of: Optional[JsonInt] = None
     add_special_tokens: Optional[bool] = True
 
@@ -433,17 +452,10 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest],
     is_chat = isinstance(req, ChatCompletionRequest)
 
     # Things SamplingParams does not model: reject clearly rather than silently ignore.
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request(f"response_format type {req.response_format.get('type')!r} is not supported; "
-                          "only 'text'", param="response_format")
     n = 1 if req.n is None else req.n
     if n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {n}", param="n")
     if not is_chat:
-        if req.suffix:
-            raise bad_request("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != n:
             raise bad_request("best_of is not supported (it must be unset or equal to n)", param="best_of")
 
