@@ -27,7 +27,8 @@ def clamp_positive_body(path: str, body: Any) -> Any:
     add_generation_prompt and continue_final_message not both true."""
     if path not in GENERATION_PATHS or not isinstance(body, dict):
         return body
-    body = dict(body)
+    # JSON integers may come as integral floats (817.0): the server takes them as integers, so do we
+    body = {k: int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**63 else v for k, v in body.items()}
     if body.get("top_logprobs") is not None and path == "/v1/chat/completions":
         body["logprobs"] = True
     if body.get("add_generation_prompt", True) and body.get("continue_final_message"):
