@@ -44,8 +44,8 @@ def clamp_positive_body(path: str, body: Any) -> Any:
         v = body.get(k)
         if isinstance(v, int) and not isinstance(v, bool) and v > 4:
             body[k] = 4
-    if "n" in body and "best_of" in body and isinstance(body.get("best_of"), int):
-        body["best_of"] = body["n"]
+    if body.get("best_of") is not None:
+        body["best_of"] = body.get("n") or 1
     v = body.get("min_tokens")
     if isinstance(v, int) and not isinstance(v, bool) and v > limit:
         body["min_tokens"] = limit
