@@ -2,7 +2,7 @@
 # Origin PR B's A/B protocol for the FP8 projection flag, through the served app and `glm-ray bench`:
 # random ids, input/output 1024 (override IN/OUT), num-prompts = 4 x C, C = 4..64, 3 repetitions,
 # fp8_proj off vs on, dummy bf16 weights of a bundled config. Needs Ray on PYTHONPATH (see
-# ../shared/device/ray-on-device.md). Results: $OUT/<model>_tp<TP>_fp8{off,on}.jsonl + the delta table.
+# the GPU machine's Ray-from-wheels recipe: no registry there). Results: $OUT/<model>_tp<TP>_fp8{off,on}.jsonl + the delta table.
 #   MODEL=glm5-slice-6l TP=1 bash scripts/ab_fp8_proj.sh        # issue 5 (one H200)
 #   MODEL=glm5-flash-31b TP=4 bash scripts/ab_fp8_proj.sh       # issue 9 (nvidia-h200-x4)
 # FLAGS="off" / FLAGS="on" runs one half (to split the A/B over two device calls); FLAGS="off on off on"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 5's remaining H200 runs, one device call per PART (each fits the 10-minute call limit; after
-# the two-call Ray install of ../shared/device/ray-on-device.md, on the same warm machine):
+# the two-call Ray install of the GPU machine's Ray-from-wheels recipe: no registry there, on the same warm machine):
 #   PART=step  bash scripts/device_h200_fp8proj.sh   # in-process step A/B, slice-6l + flash-31b (~4 min)
 #   PART=legs1 bash scripts/device_h200_fp8proj.sh   # served slice-6l, legs off then on (~8 min)
 #   PART=legs2 bash scripts/device_h200_fp8proj.sh   # served slice-6l, legs on then off (~8 min)

@@ -3,7 +3,7 @@
 One deliberate alignment: transformers builds q_a_layernorm / kv_a_layernorm with eps=1e-6 (its
 class default) while sglang, vLLM and glm-ray use config.rms_norm_eps (1e-5); we set the oracle's
 eps to the config value so the comparison tests the math, not that known discrepancy
-(shared/reference/model_arch.md §3.1).
+(transformers' modeling_glm_moe_dsa.py vs the checkpoint config).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Serving-benchmark metrics: per-request timing records in, one run summary out.
 
 This module owns the metric *definitions*. They follow sglang.bench_serving and `vllm bench serve`
-(see /work/shared/reference/perf_anchors.md §1), so numbers are comparable with tables made by
+(their definitions of TTFT, ITL, TPOT and E2EL), so numbers are comparable with tables made by
 those tools:
 
 - TTFT   = arrival of the first chunk that carried an output token - request start.

@@ -16,7 +16,6 @@ import yaml
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 VENDORED_SCHEMAS = HERE / "schemas"
-SHARED_SCHEMAS = REPO.parent / "shared" / "schemas"
 
 DASHBOARD = REPO / "deploy" / "grafana" / "glm-ray.json"
 RULES = REPO / "deploy" / "prometheus" / "rules.yaml"
@@ -40,12 +39,10 @@ except AttributeError:  # pragma: no cover - PyYAML without libyaml
 
 
 def schema_file(rel: str) -> Path:
-    """A schema file: the vendored copy in tests/deploy/schemas, else ../shared/schemas."""
-    for base in (VENDORED_SCHEMAS, SHARED_SCHEMAS):
-        p = base / rel
-        if p.is_file():
-            return p
-    pytest.skip(f"schema {rel} not found in {VENDORED_SCHEMAS} nor {SHARED_SCHEMAS}")
+    """A schema file, from the copies vendored in tests/deploy/schemas (the repository stands alone)."""
+    p = VENDORED_SCHEMAS / rel
+    assert p.is_file(), f"schema {rel} is not vendored in {VENDORED_SCHEMAS}"
+    return p
 
 
 def load_yaml(path: Path) -> Any:

@@ -1,6 +1,7 @@
 """A fake `aiter` package for CPU contract tests of the aiter backend (glm_ray/kernels/aiter).
 
-It implements the documented signatures (shared/reference/quant_contracts.md §2.4, §2.5, §3.5, §4.1-4.7)
+It implements the signatures of aiter's real Python API (gemm_a8w8_blockscale_bpreshuffle, the e8m0
+shuffle, fused_moe)
 and, like a faithful kernel, *interprets* what it is handed: weights are un-shuffled with the
 documented permutation (written here independently of glm_ray's own layout helpers), scales are
 un-shuffled / read in the documented layout, the MoE contract fields (`gate_mode`, `swiglu_limit`,

@@ -1,6 +1,6 @@
 """The "aiter" kernel backend (gfx950 / MI355X), written against ROCm/aiter's Python API as documented
-in shared/reference/quant_contracts.md (§2.4-2.6 dense block-FP8 GEMM, §3.5 e8m0 scale shuffle,
-§4 fused MoE). `aiter` is imported by `make_ops()` only, i.e. only when this backend is selected.
+in ROCm/aiter's own docs and tests (dense block-FP8 GEMM with bpreshuffle, the e8m0 scale shuffle,
+fused MoE). `aiter` is imported by `make_ops()` only, i.e. only when this backend is selected.
 
 Everything not overridden here (attention, the unquantized MoE, ...) is inherited from the torch
 reference by `kernels.init_backend`.

@@ -6,7 +6,7 @@ Padding for `torch._scaled_mm` blockwise (1x128 activations x 128x128 weights):
 
 * K is padded to a multiple of `SCALED_MM_K_ALIGN` = 512 (K/128 % 4 == 0). torch 2.11's cuBLASLt path
   silently returns garbage when K/128 is not a multiple of 4 (measured: K=640, 768 wrong; 1024, 1536,
-  2048, 5120, 18432 right; shared/reference/perf_anchors.md §4d). GLM shapes hit it: GLM-4.7-Flash /
+  2048, 5120, 18432 right, on H200: docs/measurements/2026-11-30). GLM shapes hit it: GLM-4.7-Flash /
   glm5-flash-31b `q_b_proj` has K = q_lora_rank = 768, and a TP8 dense `down_proj` of 10240 has K=1280.
   We pad rather than fall back to the reference: zero weight columns times zero activation columns add
   exactly 0 to every fp32 partial sum, so the result is the unpadded GEMM's, at (Kp-K)/K extra bytes

@@ -1,6 +1,6 @@
 """Block-FP8 (e4m3) references: quantizers, dequantizers and the W8A8 block-scaled linear.
 
-Contract A of `shared/reference/quant_contracts.md` (DeepSeek-V3 / GLM block FP8):
+Block FP8 as DeepSeek-V3 / GLM checkpoints ship it (their `quantization_config` and reference code):
 
 * weight  `w`  float8_e4m3fn `[N, K]`, `scale_inv` fp32 `[ceil(N/bn), ceil(K/bk)]` (block 128x128).
   Despite the name, `scale_inv` is the *dequant multiplier*: `W ~= w.float() * scale_inv` per block.

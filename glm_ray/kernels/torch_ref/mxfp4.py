@@ -1,6 +1,6 @@
 """OCP MXFP4 references (E2M1 elements, E8M0 scales, 1 x 32 blocks).
 
-Contract B of `shared/reference/quant_contracts.md`:
+MXFP4 as the OCP Microscaling spec and AMD Quark define it:
 
 * E2M1 code -> value (bit 3 = sign): `[0, .5, 1, 1.5, 2, 3, 4, 6, -0, -.5, -1, -1.5, -2, -3, -4, -6]`.
 * Packing along the last dim: element 2j in the **low** nibble, 2j+1 in the high nibble
