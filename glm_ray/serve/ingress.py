@@ -38,6 +38,7 @@ from glm_ray.engine.tokenizer import load_tokenizer
 from glm_ray.serve.detok import TokenStrings
 from glm_ray.serve.errors import error_response, for_client, install_error_handlers, map_exception, openai_errors
 from glm_ray.serve.fanout import EventStream, Fanout, SubRequest, pad_logprobs
+from glm_ray.serve.logprobs import chat_logprobs, completion_logprobs, format_prompt_logprobs
 from glm_ray.serve.openapi import build_openapi
 from glm_ray.serve.protocol import (
     MAX_CHOICES,
@@ -65,11 +66,8 @@ from glm_ray.serve.protocol import (
     TokenizeResponse,
     UsageInfo,
     bad_request,
-    chat_logprobs,
     check_prompt_fits,
     check_token_ids,
-    completion_logprobs,
-    format_prompt_logprobs,
     load_generation_defaults,
     parse_body,
     parse_tokenize_body,

@@ -10,19 +10,15 @@ closed sets. `parse_body` is the only way a body becomes a request: it rejects n
 into the engine's `SamplingParams`; every problem becomes an `APIError` that the ingress renders as
 `{"error": {"message", "type", "param", "code"}}` with the right HTTP status.
 
-Logprob formatting lives here too, so it can be unit-tested without a server: the engine hands
-per-token dicts `{token_id: logprob}` (the sampled/actual token first, then the top-k) and these
-functions render OpenAI's completions shape (`tokens`/`token_logprobs`/`top_logprobs`/
-`text_offset`) and chat shape (`content: [{token, logprob, bytes, top_logprobs}]`).
+Logprob rendering is serve/logprobs.py.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 import uuid
-from typing import Any, Literal, Optional, Protocol, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from typing_extensions import Annotated
@@ -223,6 +219,13 @@ MAX_DETOKENIZE_TOKENS = 2**20
 StopString = Annotated[str, Field(min_length=1)]
 
 
+def _unsupported(value, info):
+    """A field we accept only empty (its schema says so too): anything else is a 400 naming it."""
+    if value:
+        raise ValueError(f"{info.field_name} is not supported")
+    return value
+
+
 class ResponseFormat(OpenAIBaseModel):
     type: Literal["text"] = "text"             # json_object / json_schema: not supported yet
 
@@ -256,10 +259,8 @@ class _SamplingRequest(OpenAIBaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
+    def _no_logit_bias(cls, v, info):
+        return _unsupported(v, info)
 
     @property
     def include_usage(self) -> bool:
@@ -280,10 +281,9 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("suffix")
     @classmethod
-    def _no_suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
+    def _no_suffix(cls, v, info):
+        return _unsupported(v, info)
+
     best_of: Optional[JsonInt] = None
     add_special_tokens: Optional[bool] = True
 
@@ -728,104 +728,6 @@ def sse(payload: BaseModel | dict) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
-
-
-# --------------------------------------------------------------------------------------------
-# Logprob formatting
-# --------------------------------------------------------------------------------------------
-
-
-class TokenTexts(Protocol):
-    """What the formatters need from a tokenizer (glm_ray.serve.detok.TokenStrings fits)."""
-
-    def text(self, token_id: int) -> str: ...
-
-    def bytes(self, token_id: int) -> bytes: ...
-
-
-def clamp_logprob(x: float | None) -> float | None:
-    if x is None:
-        return None
-    x = float(x)
-    if math.isnan(x) or x == -math.inf:
-        return MIN_LOGPROB
-    return max(x, MIN_LOGPROB)
-
-
-def top_items(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
-    """The k most likely (token_id, logprob) pairs of one position, best first (stable on ties)."""
-    if k <= 0:
-        return []
-    return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
-
-
-def completion_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, float]]],
-                        k: int, tok: TokenTexts, initial_offset: int = 0) -> CompletionLogProbs:
-    """Completions-API logprobs for a run of tokens.
-
-    `logprobs[i]` is None for a position without logprobs (the first prompt token when echoing).
-    `top_logprobs[i]` holds the top-k tokens by logprob plus the chosen token (so k or k+1
-    entries; token strings that decode identically collapse). `text_offset` counts characters of
-    the token strings from `initial_offset` (the length of text already returned for this choice).
-    """
-    out = CompletionLogProbs()
-    offset = initial_offset
-    for tid, lp in zip(token_ids, logprobs):
-        s = tok.text(tid)
-        out.tokens.append(s)
-        out.text_offset.append(offset)
-        offset += len(s)
-        if lp is None:
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
-            continue
-        out.token_logprobs.append(clamp_logprob(lp.get(tid)))
-        top: dict[str, float] = {}
-        for t, v in top_items(lp, k):
-            top.setdefault(tok.text(t), clamp_logprob(v))
-        if tid in lp:
-            top.setdefault(s, clamp_logprob(lp[tid]))
-        out.top_logprobs.append(top)
-    return out
-
-
-def chat_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, float]]],
-                  k: int, tok: TokenTexts) -> list[ChatLogprobEntry]:
-    """Chat-API logprob entries: the chosen token plus exactly the top-k alternatives, best first."""
-    entries = []
-    for tid, lp in zip(token_ids, logprobs):
-        lp = lp or {}
-        entries.append(ChatLogprobEntry(
-            token=tok.text(tid),
-            logprob=clamp_logprob(lp.get(tid, MIN_LOGPROB)),
-            bytes=list(tok.bytes(tid)),
-            top_logprobs=[TopLogprob(token=tok.text(t), logprob=clamp_logprob(v), bytes=list(tok.bytes(t)))
-                          for t, v in top_items(lp, k)],
-        ))
-    return entries
-
-
-def format_prompt_logprobs(prompt_ids: list[int], plps: Optional[list[Optional[dict[int, float]]]],
-                           k: int, tok: TokenTexts) -> Optional[PromptLogprobs]:
-    """vLLM's `prompt_logprobs` shape: per prompt position None or {token_id: {logprob, rank, decoded_token}}
-    holding the actual token and the top-k; `rank` is 1-based within what the engine returned
-    (None for an actual token outside the top-k)."""
-    if plps is None:
-        return None
-    out: PromptLogprobs = []
-    for tid, lp in zip(prompt_ids, plps):
-        if lp is None:
-            out.append(None)
-            continue
-        ranked = sorted(lp.items(), key=lambda kv: -kv[1])
-        top = ranked[:k]
-        entry: dict[int, PromptLogprob] = {}
-        for r, (t, v) in enumerate(top, start=1):
-            entry[t] = PromptLogprob(logprob=clamp_logprob(v), rank=r, decoded_token=tok.text(t))
-        if tid in lp and tid not in entry:
-            entry[tid] = PromptLogprob(logprob=clamp_logprob(lp[tid]), rank=None, decoded_token=tok.text(tid))
-        out.append(entry)
-    return out
 
 
 def load_generation_defaults(model_path: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import pytest
 
 from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.serve import logprobs as L
 from glm_ray.serve import protocol as P
 from glm_ray.serve.protocol import (
     APIError,
@@ -298,7 +299,7 @@ def test_completion_logprobs_shapes_and_offsets():
     lps = [{3: -0.5, 1: -1.0, 2: -2.0},                  # sampled is the top-1
            {1: -3.0, 4: -0.1, 5: -0.2},                  # sampled outside top-2: k+1 entries
            {2: -float("inf"), 6: -0.01}]                 # -inf must become JSON-safe
-    out = P.completion_logprobs(ids, lps, 2, FakeTok(), initial_offset=7)
+    out = L.completion_logprobs(ids, lps, 2, FakeTok(), initial_offset=7)
     assert out.tokens == ["t3", "t1", "t2"]
     assert out.text_offset == [7, 9, 11]
     assert out.token_logprobs == [-0.5, -3.0, P.MIN_LOGPROB]
@@ -309,51 +310,51 @@ def test_completion_logprobs_shapes_and_offsets():
 
 
 def test_completion_logprobs_k0_and_missing_positions():
-    out = P.completion_logprobs([3, 4], [None, {4: -0.3, 7: -0.1}], 0, FakeTok())
+    out = L.completion_logprobs([3, 4], [None, {4: -0.3, 7: -0.1}], 0, FakeTok())
     assert out.token_logprobs == [None, -0.3]
     assert out.top_logprobs == [None, {"t4": -0.3}]
     assert out.text_offset == [0, 2]
 
 
 def test_completion_logprobs_extend():
-    a = P.completion_logprobs([1], [{1: -1.0}], 1, FakeTok())
-    a.extend(P.completion_logprobs([2], [{2: -2.0}], 1, FakeTok(), initial_offset=2))
+    a = L.completion_logprobs([1], [{1: -1.0}], 1, FakeTok())
+    a.extend(L.completion_logprobs([2], [{2: -2.0}], 1, FakeTok(), initial_offset=2))
     assert a.tokens == ["t1", "t2"] and a.text_offset == [0, 2] and len(a.top_logprobs) == 2
 
 
 def test_chat_logprobs():
-    entries = P.chat_logprobs([9, 2], [{9: -0.2, 2: -1.5, 3: -0.9}, {2: -0.7, 1: -0.1}], 2, FakeTok())
+    entries = L.chat_logprobs([9, 2], [{9: -0.2, 2: -1.5, 3: -0.9}, {2: -0.7, 1: -0.1}], 2, FakeTok())
     e0, e1 = entries
     assert e0.token == "\ufffd" and e0.bytes == [0xE4] and e0.logprob == -0.2
     assert [t.token for t in e0.top_logprobs] == ["\ufffd", "t3"]
     assert [t.logprob for t in e0.top_logprobs] == [-0.2, -0.9]
     assert len(e1.top_logprobs) == 2 and e1.top_logprobs[0].token == "t1"
     # top_logprobs=0 -> only the sampled token, no alternatives
-    assert P.chat_logprobs([2], [{2: -0.7, 1: -0.1}], 0, FakeTok())[0].top_logprobs == []
+    assert L.chat_logprobs([2], [{2: -0.7, 1: -0.1}], 0, FakeTok())[0].top_logprobs == []
     d = P.ChatChoiceLogprobs(content=entries).model_dump()
     assert set(d["content"][0]) == {"token", "logprob", "bytes", "top_logprobs"}
 
 
 def test_top_items_order_and_ties():
-    assert P.top_items({1: -1.0, 2: -0.5, 3: -0.5}, 2) == [(2, -0.5), (3, -0.5)]
-    assert P.top_items({1: -1.0}, 0) == []
+    assert L.top_items({1: -1.0, 2: -0.5, 3: -0.5}, 2) == [(2, -0.5), (3, -0.5)]
+    assert L.top_items({1: -1.0}, 0) == []
 
 
 def test_prompt_logprobs_format():
-    out = P.format_prompt_logprobs([5, 6, 7], [None, {6: -0.2, 8: -0.1}, {7: -4.0, 1: -0.1}], 1, FakeTok())
+    out = L.format_prompt_logprobs([5, 6, 7], [None, {6: -0.2, 8: -0.1}, {7: -4.0, 1: -0.1}], 1, FakeTok())
     assert out[0] is None
     assert out[1][8].rank == 1 and out[1][6].rank is None and out[1][6].logprob == -0.2
     assert out[2][1].decoded_token == "t1" and 7 in out[2]
-    assert P.format_prompt_logprobs([1], None, 1, FakeTok()) is None
+    assert L.format_prompt_logprobs([1], None, 1, FakeTok()) is None
     # serializes with string keys
     assert json.loads(json.dumps(P.CompletionResponseChoice(index=0, text="", prompt_logprobs=out).model_dump()))
 
 
 def test_clamp_logprob():
-    assert P.clamp_logprob(float("nan")) == P.MIN_LOGPROB
-    assert P.clamp_logprob(-1e30) == P.MIN_LOGPROB
-    assert P.clamp_logprob(None) is None
-    assert P.clamp_logprob(-0.25) == -0.25
+    assert L.clamp_logprob(float("nan")) == P.MIN_LOGPROB
+    assert L.clamp_logprob(-1e30) == P.MIN_LOGPROB
+    assert L.clamp_logprob(None) is None
+    assert L.clamp_logprob(-0.25) == -0.25
 
 
 # ------------------------------------------------------------------ response shapes
