@@ -54,6 +54,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share of GPU memory for weights + activations + KV cache (KV gets what is left)")
     p.add_argument("--fp8-proj-gemm", action="store_true", default=None,
                    help="prefill-only FP8 GEMM for MLA q_b_proj/o_proj (also GLM_RAY_FP8_PROJ_GEMM=1)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly (no CUDA graphs; they are on by default on NVIDIA GPUs)")
     p.add_argument("--fp8-proj-min-tokens", type=int, default=512,
                    help="with --fp8-proj-gemm: forward batches of more than this many tokens take the FP8 GEMM "
                         "(H200 step A/B: FP8 pays from ~2k tokens at GLM-5 shapes; at glm5-flash-31b's the "
@@ -79,7 +81,8 @@ def cmd_generate(a) -> int:
               kernel_backend=a.kernel_backend, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
               block_size=a.block_size, gpu_memory_utilization=a.gpu_memory_utilization,
-              fp8_proj_gemm=a.fp8_proj_gemm, fp8_proj_min_tokens=a.fp8_proj_min_tokens)
+              fp8_proj_gemm=a.fp8_proj_gemm, fp8_proj_min_tokens=a.fp8_proj_min_tokens,
+              enforce_eager=a.enforce_eager)
     tok = llm.get_tokenizer()
     prompts = a.prompt or ["Hello, my name is"]
     if a.chat and tok is not None:
@@ -110,6 +113,8 @@ def serve_app_args(a) -> dict:
             "fp8_proj_min_tokens": a.fp8_proj_min_tokens}
     if a.fp8_proj_gemm is not None:
         args["fp8_proj_gemm"] = True
+    if a.enforce_eager:
+        args["enforce_eager"] = True
     if a.served_model_name:
         args["served_model_name"] = a.served_model_name
     if a.api_key:

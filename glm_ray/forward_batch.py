@@ -2,34 +2,82 @@
 model runner and shared by every layer.
 
 Tokens of all scheduled sequences are packed on one axis `T` (varlen), in scheduler order. Attention
-runs per `AttnGroup`: the sequences of a step split into a *decode* group (one new token each) and a
-*prefill* groups (chunks of prompts, bucketed so padding stays within 2x), each on its own padded
-per-sequence view — queries `[B, Qmax]`
-gather from `T`, keys `[B, Kmax]` gather flat KV-cache slots. Splitting keeps a 1-token decode from
-being padded to a 1024-token prefill chunk (`[B, Qmax, Kmax]` of the whole step) and lets each group
-take its own MLA form: absorbed (latent MQA) for decode, naive (expanded MHA) for prefill.
+runs per `AttnGroup`: the sequences of a step split into a *decode* group (one new token each) and
+*prefill* groups (chunks of prompts, bucketed so padding stays within 2x). A group carries the paged
+metadata kernels read — block table, context and query lengths, on the device — and, derived from it
+on first use, the padded per-sequence views the torch references use: queries `[B, Qmax]` gather
+from `T`, keys `[B, Kmax]` gather flat KV-cache slots. Splitting keeps a 1-token decode from being
+padded to a 1024-token prefill chunk (`[B, Qmax, Kmax]` of the whole step) and lets each group take
+its own MLA form: absorbed (latent MQA) for decode, naive (expanded MHA) for prefill.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
-@dataclass
+@dataclass(eq=False)
 class AttnGroup:
-    """One homogeneous set of sequences of a step (all decode, or all prefill)."""
+    """One homogeneous set of sequences of a step (all decode, or all prefill).
+
+    Device metadata a paged kernel reads (`block_table`, `context_lens`, `query_lens`) plus the padded
+    per-sequence views the torch references use (`kv_slots`, `causal`), derived from them on the device
+    on first use (a decode kernel that walks the block table never builds them).
+    """
     token_index: torch.Tensor    # [Tg] int64 rows of T owned by the group, in the order q_valid packs them
     q_index: torch.Tensor        # [B, Qmax] int64 index into T (padding -> 0)
     q_valid: torch.Tensor        # [B, Qmax] bool
-    kv_slots: torch.Tensor       # [B, Kmax] int64 flat slots of context positions 0..ctx-1 (padding -> 0)
-    causal: torch.Tensor         # [B, Qmax, Kmax] bool: key valid and key position <= query position
+    block_table: torch.Tensor    # [B, nb] int32 cache blocks of each sequence (padding -> 0)
+    context_lens: torch.Tensor   # [B] int32 cached + new tokens of each sequence
+    query_lens: torch.Tensor     # [B] int32 new tokens of each sequence this step
+    block_size: int
     max_context_len: int         # host int: max over the group's sequences of cached + new tokens
     mla_mode: str                # "naive" (expand K/V) | "absorbed" (latent MQA)
     # recurrent-state models (GLM-5.3-Flash KDA layers); None for pure-attention models
     state_slots: torch.Tensor | None = None   # [B] int64 row of each sequence in the state caches
     state_fresh: torch.Tensor | None = None   # [B] bool: the sequence starts at position 0 this step
                                               # (initial state zero, whatever the slot holds)
+    # host int: key width Kmax of the padded views (None -> max_context_len). A CUDA-graph decode batch
+    # sets it to its static capacity (nb * block_size) so every view keeps its captured shape.
+    kv_capacity: int | None = None
+    _views: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.q_index.shape[0]
+
+    @property
+    def kv_slots(self) -> torch.Tensor:
+        """[B, Kmax] int64 flat slot of every context position 0..ctx-1 (padding -> 0)."""
+        return self._padded_views()[0]
+
+    @property
+    def causal(self) -> torch.Tensor:
+        """[B, Qmax, Kmax] bool: key valid and key position <= query position."""
+        return self._padded_views()[1]
+
+    def _padded_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._views is None:
+            self._views = padded_views(self.block_table, self.context_lens, self.query_lens, self.q_valid,
+                                       self.block_size, self.kv_capacity or self.max_context_len)
+        return self._views
+
+
+def padded_views(block_table: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor,
+                 q_valid: torch.Tensor, block_size: int, kmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_slots [B, kmax] int64, causal [B, Qmax, kmax] bool) of a group, on its device."""
+    B, nb = block_table.shape
+    dev = block_table.device
+    cl, ql = context_lens.long(), query_lens.long()                         # [B]
+    kpos = torch.arange(kmax, device=dev)                                   # [Kmax]
+    kv_valid = kpos[None, :] < cl[:, None]                                  # [B, Kmax]
+    blk = (kpos // block_size).clamp(max=nb - 1)[None, :].expand(B, -1)     # [B, Kmax]
+    kv_slots = block_table.long().gather(1, blk) * block_size + (kpos % block_size)[None, :]
+    kv_slots = torch.where(kv_valid, kv_slots, 0)
+    qpos = (cl - ql)[:, None] + torch.arange(q_valid.shape[1], device=dev)[None, :]   # [B, Qmax] positions
+    causal = (kpos[None, None, :] <= qpos[:, :, None]) & kv_valid[:, None, :] & q_valid[:, :, None]
+    return kv_slots, causal
 
 
 @dataclass
@@ -70,12 +118,12 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
     groups = []
     for idx, mode in _partition(query_lens, context_lens):
         idx = torch.tensor(idx, dtype=torch.int64)
-        groups.append(_group(ql[idx], cl[idx], starts[idx], bt[idx], block_size,
-                             mode if mla_mode == "auto" else mla_mode) + (slots[idx], cl[idx] == ql[idx]))
+        groups.append(_group(ql[idx], cl[idx], starts[idx], bt[idx]) + (slots[idx], cl[idx] == ql[idx])
+                      + (mode if mla_mode == "auto" else mla_mode,))
     def to(t):
         return t.to(device, non_blocking=True)
-    groups = tuple(AttnGroup(*(to(t) for t in g[:5]), max_context_len=g[5], mla_mode=g[6],
-                             state_slots=to(g[7]), state_fresh=to(g[8]))
+    groups = tuple(AttnGroup(*(to(t) for t in g[:6]), block_size=block_size, max_context_len=int(g[4].max()),
+                             mla_mode=g[8], state_slots=to(g[6]), state_fresh=to(g[7]))
                    for g in groups)
     return ForwardBatch(positions=to(positions), slot_mapping=to(slot_mapping), groups=groups,
                         max_context_len=int(cl.max()))
@@ -121,19 +169,11 @@ def _buckets(order: list[int], query_lens: list[int], context_lens: list[int]) -
     return out
 
 
-def _group(ql, cl, starts, bt, block_size: int, mode: str):
-    """Padded per-sequence view of one group (host tensors)."""
-    B, max_blocks = bt.shape
-    Qmax, Kmax = int(ql.max()), int(cl.max())
-    kpos = torch.arange(Kmax)                                                # [Kmax]
-    kv_valid = kpos[None, :] < cl[:, None]                                   # [B, Kmax]
-    kv_slots = bt.gather(1, (kpos // block_size).clamp(max=max_blocks - 1)[None, :].expand(B, -1)) * block_size \
-        + (kpos % block_size)[None, :]
-    kv_slots = torch.where(kv_valid, kv_slots, 0)                            # [B, Kmax]
+def _group(ql, cl, starts, bt):
+    """Host metadata of one group: (token_index, q_index, q_valid, block_table, context_lens, query_lens)."""
+    Qmax = int(ql.max())
     qoff = torch.arange(Qmax)                                                # [Qmax]
     q_valid = qoff[None, :] < ql[:, None]                                    # [B, Qmax]
     q_index = torch.where(q_valid, starts[:, None] + qoff[None, :], 0)       # [B, Qmax]
-    qpos = (cl - ql)[:, None] + qoff[None, :]                                # [B, Qmax] absolute positions
-    causal = (kpos[None, None, :] <= qpos[:, :, None]) & kv_valid[:, None, :] & q_valid[:, :, None]
     token_index = q_index[q_valid]                                           # [Tg]
-    return token_index, q_index, q_valid, kv_slots, causal, Kmax, mode
+    return token_index, q_index, q_valid, bt.to(torch.int32), cl.to(torch.int32), ql.to(torch.int32)

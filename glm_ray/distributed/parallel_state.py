@@ -96,7 +96,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over TP ranks, in place when possible."""
     if _TP.size == 1:
         return x
-    if _TIMER is None:
+    if _TIMER is None or (x.is_cuda and torch.cuda.is_current_stream_capturing()):   # no timing in a graph
         dist.all_reduce(x)
         return x
     t0 = _TIMER.start()

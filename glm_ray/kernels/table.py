@@ -44,8 +44,9 @@ class KernelOps:
     # q_valid [B, Qmax] (queries gathered from the step's packed rows T), kv_slots [B, Kmax] (flat cache
     # slot of every context position; block = slot // block_size), causal [B, Qmax, Kmax]. Row inputs are
     # [T, ...] for the whole step (the op reads its group's rows); outputs are the group's rows [Tg, ...]
-    # in q_valid order (= group.token_index). `selection`: None = dense causal, else a bool mask
-    # [B, Qmax, Kmax] (DSA selection AND causal). `max_bytes` bounds the op's transient memory (the
+    # in q_valid order (= group.token_index). `selection`: None = dense causal; int32 [B, Qmax, k] = DSA
+    # top-k key positions (-1 padded; a page table of page size 1 over group.block_table); bool
+    # [B, Qmax, Kmax] = a mask (selection AND causal; the k-pool indexer). `max_bytes` bounds the op's transient memory (the
     # reference walks key / query tiles above it; a kernel that needs no workspace ignores it).
     #
     # MLA naive (expanded) form, prefill groups: (q [T, h, dn+dr] nope|roped, kv_cache [S, r+dr] latent
@@ -55,11 +56,11 @@ class KernelOps:
     # MLA absorbed form (latent MQA, one KV head = the cache row, value = its first r dims), decode
     # groups (any group when mla_mode forces it, so Qmax may exceed 1): (q [T, h, r+dr] W_UK-absorbed |
     # roped, kv_cache [S, r+dr], group, selection, *, kv_lora_rank r, scale, max_bytes) -> o_lat [Tg, h, r]
-    # (the layer unfolds W_UV). A paged kernel reads the cache rows through group.kv_slots (a page table
-    # of page size 1; AttnGroup has no block table or device context lengths yet) and the selection.
+    # (the layer unfolds W_UV). A paged kernel reads the cache rows through group.block_table /
+    # group.context_lens (dense) or the top-k positions (sparse); the references use the padded views.
     mla_decode: Callable | None = None
     # DSA lightning indexer scoring + top-k (GLM-5): (qi [T, Hi, di] fp32, w [T, Hi] fp32 head weights,
-    # key_cache [S, di], group, topk, *, max_bytes) -> selection [B, Qmax, Kmax] bool (top-k AND causal)
+    # key_cache [S, di], group, topk, *, max_bytes) -> positions [B, Qmax, min(topk, Kmax)] int32 (-1 padded)
     indexer_topk: Callable | None = None
     # k-pool indexer (GLM-5.3-Flash): (qi [T, Hi, di] fp32, w [T, Hi] fp32, key_cache [S, 2di] rows [ki | gi],
     # group, ape [kpool, di] fp32, *, kpool, pool_topk, tail, max_bytes) -> selection [B, Qmax, Kmax] bool

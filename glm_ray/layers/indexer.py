@@ -4,7 +4,7 @@ Keys `ki = LayerNorm(wk(x))` are cached per token (its own cache, one per *full*
 Score I[s,t] = sum_h w[s,h] * relu(qi[s,h] . ki[t] / sqrt(di)), w = weights_proj(x) / sqrt(Hi) (fp32).
 RoPE is applied to the first `qk_rope_head_dim` dims (rope FIRST here; MLA puts rope last).
 `write_keys` caches every new token's key; `queries` computes the index queries of a step once per
-layer; `select` returns, per attention group, a boolean mask [B, Qmax, Kmax] (selected AND causal):
+layer; `select` returns, per attention group, the selected key positions [B, Qmax, k] int32 (-1 padded):
 the scoring + top-k is the kernel op `indexer_topk`.
 While a group's contexts fit in `index_topk` the caller skips `select` (selection = dense causal).
 """
@@ -61,7 +61,7 @@ class Indexer(nn.Module):
 
     def select(self, group: AttnGroup, queries: tuple[torch.Tensor, torch.Tensor],
                key_cache: torch.Tensor) -> torch.Tensor:
-        """Top-k selection mask [B, Qmax, Kmax] (selected AND causal) of one attention group: the
-        `indexer_topk` kernel op (scores and keys tiled within _SCORE_BYTES)."""
+        """Top-k key positions [B, Qmax, k] int32 (-1 padded) of one attention group: the `indexer_topk`
+        kernel op (scores and keys tiled within _SCORE_BYTES)."""
         qi, w = queries
         return kernels.ops().indexer_topk(qi, w, key_cache, group, self.topk, max_bytes=_SCORE_BYTES)

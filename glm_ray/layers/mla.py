@@ -10,8 +10,9 @@ latent and the roped shared key — identical on every TP rank. Two equivalent f
 Attention runs once per `AttnGroup` of the batch (decode group: absorbed; prefill group: naive, under
 mla_mode "auto") as a kernel op: `mla_decode` (latent attention; the W_UK / W_UV folds are here) and
 `mla_prefill` (given kv_b_proj to expand the latents). Sparse attention (DSA) is a selection from the
-indexer, one per group: None (dense causal, while every context fits in index_topk) or a boolean mask
-ANDed with the causal mask; "shared" layers (IndexShare) reuse the previous full layer's selections.
+indexer, one per group: None (dense causal, while every context fits in index_topk), the top-k key
+positions [B, Qmax, k] int32 (GLM-5's indexer: attention reads only those latents) or a boolean mask
+(GLM-5.3-Flash's k-pool indexer); "shared" layers (IndexShare) reuse the previous full layer's selections.
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ class MLAAttention(nn.Module):
                 # while every context fits in index_topk, selection = dense causal (no scoring)
                 if g.max_context_len > self.indexer.topk:
                     iq = iq if iq is not None else self.indexer.queries(x, q_resid, rope)
-                    sel = self.indexer.select(g, iq, index_cache)               # [B, Qmax, Kmax]
+                    sel = self.indexer.select(g, iq, index_cache)               # [B, Qmax, k|Kmax]
             elif self.uses_dsa and prev_mask is not None:
                 sel = prev_mask[gi]
             selections.append(sel)

@@ -23,6 +23,7 @@ from glm_ray.engine.outputs import LogprobDict
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables
 from glm_ray.worker.cache import allocate_caches, kv_bytes_per_token
+from glm_ray.worker.cuda_graph import DecodeGraphs
 from glm_ray.worker.faults import FaultInjector, classify
 from glm_ray.worker.sampler import SamplingRow, gather_logprobs, sample, to_logprob_dict
 
@@ -44,14 +45,39 @@ class ModelRunner:
         self.cfg, self.model_cfg, self.model, self.device = cfg, model_cfg, model, device
         self.block_size = cfg.cache.block_size
         self.num_slots = num_blocks * self.block_size                           # KV token slots
+        # CUDA graphs pad decode batches with rows that write one scratch block / state row: one more each
+        use_graphs = graphs_enabled(cfg, device)
+        scratch = 1 if use_graphs else 0
         self.kv_caches, self.index_caches, self.state_caches = allocate_caches(
-            model_cfg, self.num_slots, cfg.scheduler.max_num_seqs, cfg.parallel.tensor_parallel_size,
-            device)
+            model_cfg, (num_blocks + scratch) * self.block_size, cfg.scheduler.max_num_seqs + scratch,
+            cfg.parallel.tensor_parallel_size, device)
         self.requests: dict[str, ReqState] = {}
         self.eos = model_cfg.eos_token_ids
         self.faults = FaultInjector.from_env()                                 # None outside reliability tests
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB per rank)", num_blocks, self.block_size,
                     num_blocks * self.block_size * kv_bytes_per_token(model_cfg, model_cfg.dtype) / 2**20)
+        self.graphs: DecodeGraphs | None = self._capture_graphs(num_blocks) if use_graphs else None
+        self.num_graph_steps = 0                                                # decode steps replayed
+
+    def _capture_graphs(self, num_blocks: int) -> DecodeGraphs | None:
+        """Decode CUDA graphs (worker/cuda_graph.py); on any capture failure, eager with an error log."""
+        cfg, bs = self.cfg, self.block_size
+        max_ctx = graph_max_context(cfg, self.model_cfg, num_blocks * bs)
+        topks = [m.topk for m in self.model.modules() if isinstance(getattr(m, "topk", None), int)
+                 and hasattr(m, "select")]                                  # the DSA indexers
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.index_caches, self.state_caches,
+                              max_num_seqs=cfg.scheduler.max_num_seqs, max_blocks=-(-max_ctx // bs), block_size=bs,
+                              pad_block=num_blocks, pad_state_slot=cfg.scheduler.max_num_seqs,
+                              dense_threshold=min(topks) if topks else None, device=self.device)
+        if self.device.type != "cuda":          # tests: the static-buffer path without capture
+            return graphs
+        try:
+            graphs.capture()
+        except Exception:  # noqa: BLE001 - graphs are an optimization: serve eagerly rather than not at all
+            logger.exception("CUDA graph capture failed; decode runs eagerly (--enforce-eager silences this)")
+            torch.cuda.synchronize(self.device)
+            return None
+        return graphs
 
     # ---- state diff ---------------------------------------------------------------------------
     def _update_states(self, step: SchedulerOutput) -> None:
@@ -77,17 +103,23 @@ class ModelRunner:
             flat = [t for s in seqs for t in s.token_ids]
             if self.faults is not None:
                 self.faults.before_forward(flat)
-            ids = torch.tensor(flat, dtype=torch.long).to(self.device)
             qlens = [len(s.token_ids) for s in seqs]
-            batch = build_forward_batch(qlens, [s.start_pos + len(s.token_ids) for s in seqs],
-                                        [self.requests[s.req_id].block_ids for s in seqs], self.block_size,
-                                        self.device, self.cfg.mla_mode, [s.state_slot for s in seqs])
+            tables = [self.requests[s.req_id].block_ids for s in seqs]
             # rows of hidden states to turn into logits: every sampling seq's last token, plus the
             # prompt positions of seqs that want prompt logprobs
             ends = torch.tensor(qlens).cumsum(0)
             sample_rows = [int(ends[i]) - 1 for i, s in enumerate(seqs) if s.sample]
-            t1 = time.perf_counter()
-            hidden = self.model(ids, batch, self.kv_caches, self.index_caches, self.state_caches)   # [T, D]
+            if self._graph_step(seqs):
+                self.num_graph_steps += 1
+                t1 = time.perf_counter()
+                hidden = self._replay(seqs, flat, tables)                         # [B, D]
+            else:
+                ids = torch.tensor(flat, dtype=torch.long).to(self.device)
+                batch = build_forward_batch(qlens, [s.start_pos + len(s.token_ids) for s in seqs], tables,
+                                            self.block_size, self.device, self.cfg.mla_mode,
+                                            [s.state_slot for s in seqs])
+                t1 = time.perf_counter()
+                hidden = self.model(ids, batch, self.kv_caches, self.index_caches, self.state_caches)   # [T, D]
             logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None   # [N, V]
             plp = self._prompt_logprobs(seqs, hidden, ends)
             del hidden
@@ -106,6 +138,17 @@ class ModelRunner:
         if timer is not None:
             out.timings["collectives"] = timer.collect()     # inside "forward" (and the lm_head gather)
         return out
+
+    def _graph_step(self, seqs) -> bool:
+        """A pure-decode step the captured graphs cover (no prompt logprobs, sizes within the buckets)."""
+        return (self.graphs is not None and all(len(s.token_ids) == 1 and not s.prompt_logprobs for s in seqs)
+                and self.graphs.fits(len(seqs), max(s.start_pos for s in seqs) + 1))
+
+    def _replay(self, seqs, flat: list[int], tables: list[list[int]]) -> torch.Tensor:
+        bs = self.block_size
+        pos = [s.start_pos for s in seqs]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]         # per sequence
+        return self.graphs.run(flat, pos, slots, tables, [s.state_slot for s in seqs])
 
     def _sample(self, out: ModelRunnerOutput, req_ids: list[str], logits: torch.Tensor) -> None:
         """Sample every row at once; if that raises, row by row, failing only the rows that raise."""
@@ -168,9 +211,29 @@ class ModelRunner:
         return out
 
 
+def graphs_enabled(cfg: EngineConfig, device: torch.device) -> bool:
+    """Decode steps replay CUDA graphs (worker/cuda_graph.py) unless --enforce-eager or a forced MLA form."""
+    return device.type == "cuda" and not cfg.enforce_eager and cfg.mla_mode == "auto"
+
+
+def graph_max_context(cfg: EngineConfig, model_cfg: ModelConfig, kv_tokens: int) -> int:
+    """The longest context a decode graph is captured for (the engine's max_model_len)."""
+    return min(model_cfg.max_position_embeddings, kv_tokens, cfg.scheduler.max_model_len or kv_tokens)
+
+
+def graph_reserve_bytes(cfg: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module, device: torch.device,
+                        max_context: int) -> int:
+    """Memory the decode graphs' pool will hold, kept out of the KV budget: the activations of a
+    `max_num_seqs`-row decode forward (measured, like the prefill profile) plus the indexer's score rows
+    at the largest captured context (B x max_context fp32, with its top-k temporaries: x4)."""
+    B = cfg.scheduler.max_num_seqs
+    scores = 4 * B * max_context * 4 if model_cfg.has_indexer else 0
+    return profile_activation_bytes(cfg, model_cfg, model, device, decode_rows=B) + scores
+
+
 @torch.inference_mode()
 def profile_activation_bytes(cfg: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module,
-                             device: torch.device) -> int:
+                             device: torch.device, decode_rows: int | None = None) -> int:
     """Peak activation memory of the largest step the scheduler can issue (CUDA only).
 
     Runs one forward of a fresh `max_num_batched_tokens`-token prefill (the largest MoE dispatch, the
@@ -185,10 +248,14 @@ def profile_activation_bytes(cfg: EngineConfig, model_cfg: ModelConfig, model: t
     # NOTE: [T-2, 2] is the widest padded view the prefill bucketing allows for T tokens (two
     # sequences padded to T-2 rows each ~ 2T rows; see forward_batch._partition).
     qlens = [T - 2, 2] if T >= 4 else [T]
-    tables = contiguous_block_tables(qlens, bs)
+    clens = qlens
+    if decode_rows is not None:                    # a decode step: one new token at position 1 per row
+        T = decode_rows
+        qlens, clens = [1] * T, [2] * T
+    tables = contiguous_block_tables(clens, bs)
     nblk = sum(map(len, tables))
     kv, idx, states = allocate_caches(model_cfg, nblk * bs, len(qlens), cfg.parallel.tensor_parallel_size, device)
-    batch = build_forward_batch(qlens, qlens, tables, bs, device, cfg.mla_mode)
+    batch = build_forward_batch(qlens, clens, tables, bs, device, cfg.mla_mode)
     ids = torch.randint(0, model_cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(0)).to(device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

@@ -18,7 +18,13 @@ from glm_ray.model.loader import init_dummy_weights, load_weights
 from glm_ray.quant import get_quant_config
 from glm_ray.quant.fp8_proj import Fp8ProjOverlay
 from glm_ray.worker.cache import num_blocks_for_budget, state_bytes
-from glm_ray.worker.model_runner import ModelRunner, profile_activation_bytes
+from glm_ray.worker.model_runner import (
+    ModelRunner,
+    graph_max_context,
+    graph_reserve_bytes,
+    graphs_enabled,
+    profile_activation_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +82,12 @@ class Worker:
             free, total = torch.cuda.mem_get_info()
             used = total - free                                   # weights + CUDA context + NCCL buffers
             budget = int(total * cc.gpu_memory_utilization - used - act)
+            if graphs_enabled(self.cfg, self.device):              # the decode graphs' pool
+                max_ctx = graph_max_context(self.cfg, self.model_cfg, self.cfg.scheduler.max_model_len
+                                            or self.model_cfg.max_position_embeddings)
+                graphs = graph_reserve_bytes(self.cfg, self.model_cfg, self.model, self.device, max_ctx)
+                logger.info("rank %d: %.2f GiB kept for the decode CUDA graphs", self.rank, graphs / 2**30)
+                budget -= graphs
             logger.info("rank %d: memory %.1f GiB used after load, %.2f GiB peak activations "
                         "(max_num_batched_tokens step) -> KV budget %.1f GiB", self.rank, used / 2**30,
                         act / 2**30, budget / 2**30)

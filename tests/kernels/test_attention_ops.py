@@ -10,6 +10,7 @@ import torch
 
 from glm_ray import kernels
 from glm_ray.forward_batch import build_forward_batch
+from glm_ray.kernels.torch_ref.indexer import selection_mask
 
 BS = 4                                                   # block size
 # (query_lens, context_lens): decodes, a continued chunk, fresh prompts -> decode + prefill groups
@@ -156,16 +157,47 @@ def _score(qi_t, w_t, keys):
 def test_indexer_topk_is_the_brute_force_top_k(topk, max_bytes):
     batch, rows, slots, qi, w, cache = _index_inputs(8, seed=5)
     for g in batch.groups:
-        sel = kernels.ops().indexer_topk(qi, w, cache, g, topk, max_bytes=max_bytes)
-        assert sel.shape == g.causal.shape and sel.dtype == torch.bool and not (sel & ~g.causal).any()
+        idx = kernels.ops().indexer_topk(qi, w, cache, g, topk, max_bytes=max_bytes)
+        K = g.causal.shape[-1]
+        assert idx.shape == (*g.causal.shape[:2], min(topk, K)) and idx.dtype == torch.int32
         for b, j in g.q_valid.nonzero().tolist():
             t = int(g.q_index[b, j])
             seq, pos = rows[t]
             s = _score(qi[t], w[t], cache[slots[seq][:pos + 1]])                      # [pos+1]
-            want = torch.zeros(g.causal.shape[-1], dtype=torch.bool)
-            want[s.topk(min(topk, pos + 1)).indices] = True
-            assert torch.equal(sel[b, j], want), (t, seq, pos)
-        assert not sel[~g.q_valid].any()
+            want = set(s.topk(min(topk, pos + 1)).indices.tolist())
+            got = idx[b, j].tolist()
+            assert set(got) - {-1} == want and got.count(-1) == idx.shape[-1] - len(want), (t, seq, pos)
+            assert len(set(got) - {-1}) == len(want)                                 # no duplicate picks
+        # the mask the attention references apply: exactly the picked causal keys
+        mask = selection_mask(g, idx)
+        for b, j in g.q_valid.nonzero().tolist():
+            want = torch.zeros(K, dtype=torch.bool)
+            want[[i for i in idx[b, j].tolist() if i >= 0]] = True
+            assert torch.equal(mask[b, j], want & g.causal[b, j])
+        assert not mask[~g.q_valid].any()
+
+
+@pytest.mark.parametrize("form", ["naive", "absorbed"])
+def test_attention_reads_index_selection_exactly_as_its_mask(form):
+    """DSA as indices == DSA as the bool mask, bit for bit, in both MLA forms (the reference applies
+    indices as their mask; the GPU kernel reads them as a page table)."""
+    m = _mla_inputs(4, seed=6)
+    g0 = torch.Generator().manual_seed(7)
+    sels_idx, sels_mask = [], []
+    for g in m["batch"].groups:
+        B, Q, K = g.causal.shape
+        k = max(1, K // 3)
+        idx = torch.stack([torch.randperm(K, generator=g0)[:k] for _ in range(B * Q)]).view(B, Q, k)
+        idx = torch.where(torch.rand(B, Q, k, generator=g0) < 0.2, -1, idx).to(torch.int32)   # padding
+        sels_idx.append(idx)
+        mask = torch.zeros(B, Q, K, dtype=torch.bool)                               # built independently
+        for b in range(B):
+            for q in range(Q):
+                for i in idx[b, q].tolist():
+                    if i >= 0:
+                        mask[b, q, i] = True
+        sels_mask.append(mask & g.causal)
+    assert torch.equal(_mla_ops(m, form, sels_idx), _mla_ops(m, form, sels_mask))
 
 
 def _kpool_expected(qi_t, w_t, rows_seq, ape, pos, kp, pool_topk, tail, K):

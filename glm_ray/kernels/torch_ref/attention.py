@@ -3,8 +3,9 @@
 
 Cache row per token: [c (kv_lora_rank r) | k_pe (dr)]. A group is a padded per-sequence view: its
 queries gather rows of the step's packed tokens (`q_index` [B, Qmax]), its keys gather flat cache
-slots (`kv_slots` [B, Kmax]). The selection is `None` (dense causal: `group.causal`) or a bool mask
-[B, Qmax, Kmax] (DSA selection AND causal). Outputs come back packed in the group's `q_valid` order
+slots (`kv_slots` [B, Kmax]). The selection is `None` (dense causal: `group.causal`), DSA top-k
+indices [B, Qmax, k] int32 (-1 padded; applied as their mask, `indexer.selection_mask`) or a bool mask
+[B, Qmax, Kmax] (selection AND causal). Outputs come back packed in the group's `q_valid` order
 ([Tg, ...], i.e. `group.token_index` rows).
 
 One masked SDPA call per group, or — when the one-shot form's transient memory (gathered, and for
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from glm_ray.forward_batch import AttnGroup
+from glm_ray.kernels.torch_ref.indexer import selection_mask
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # Default bound on the transient gathered / expanded context of one call (the MLA layer passes its own).
@@ -52,7 +54,7 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup, selec
     [N, h*(dn+dv)] (the layer's kv_b_proj, rows grouped per head: dn key dims then dv value dims).
     Returns o [Tg, h, dv] in q.dtype.
     """
-    mask = group.causal if selection is None else selection                 # [B, Qmax, Kmax]
+    mask = group.causal if selection is None else selection_mask(group, selection)   # [B, Qmax, Kmax]
     r, dv = kv_lora_rank, v_head_dim
     B, K = group.kv_slots.shape
     h = q.shape[1]
@@ -84,7 +86,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup, select
     q [T, h, r+dr] (W_UK-absorbed nope part | roped part) rows of the whole step; kv_cache [S, r+dr].
     Returns the latent output o_lat [Tg, h, r] in q.dtype (the caller unfolds W_UV).
     """
-    mask = group.causal if selection is None else selection                 # [B, Qmax, Kmax]
+    mask = group.causal if selection is None else selection_mask(group, selection)   # [B, Qmax, Kmax]
     r = kv_lora_rank
     qg = q[group.q_index]                                                   # [B, Qmax, h, r+dr]
     B, Qm, h, D = qg.shape

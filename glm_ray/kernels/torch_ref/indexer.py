@@ -3,8 +3,11 @@
 kernel ops. The math (scores, pools, candidates, tail) is documented on the layers
 (glm_ray/layers/indexer.py, glm_ray/layers/kpool_indexer.py); these are their selection loops, moved.
 
-Both return today's selection: a bool mask [B, Qmax, Kmax] (selected AND causal) on the group's padded
-view. The per-head ReLU scores [B, q, Hi, n] fp32 are the big tensor (GLM-5: 32 heads x 8k keys = 1 MiB
+`indexer_topk` returns the selection as indices: int32 positions [B, Qmax, k] (k = min(topk, Kmax), -1
+where a query has fewer than k causal keys), which attention reads as a page table of page size 1
+(O(topk) work per query); `selection_mask` turns them into the bool mask [B, Qmax, Kmax] (selected AND
+causal) the torch attention references apply. `indexer_kpool_topk` (pools of tokens + a tail, a
+variable count per query) still returns the mask. The per-head ReLU scores [B, q, Hi, n] fp32 are the big tensor (GLM-5: 32 heads x 8k keys = 1 MiB
 per query row) and the gathered keys grow with the group's contexts: both are tiled — queries into
 chunks, keys (pools) into chunks whose top-k are merged — so each tile stays within `max_bytes`. Loops
 over tiles, not tokens; one tile in the common case.
@@ -23,32 +26,47 @@ def indexer_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, gro
     """I[s,t] = sum_h w[s,h] * relu(qi[s,h] . k[t] * di^-0.5); the `topk` best causal keys per query.
 
     qi [T, Hi, di] fp32, w [T, Hi] fp32 (head weights incl. Hi^-0.5): rows of the whole step;
-    key_cache [S, di] (roped, normalised keys at the flat slots). Returns mask [B, Qmax, Kmax] bool.
+    key_cache [S, di] (roped, normalised keys at the flat slots). Returns indices [B, Qmax, k] int32:
+    positions in the sequence, -1 for the picks that are not causal keys (fewer than k exist).
     """
     Q, W = qi[group.q_index], w[group.q_index]                              # [B, Qmax, Hi, di], [B, Qmax, Hi]
-    B, Qmax, Kmax = group.causal.shape
+    causal, kv_slots = group.causal, group.kv_slots
+    B, Qmax, Kmax = causal.shape
     n_heads, head_dim = qi.shape[-2], qi.shape[-1]
     k = min(topk, Kmax)
     kc = max(k, min(Kmax, max_bytes // (B * head_dim * 4)))                 # keys per tile
     qc = max(1, max_bytes // (B * n_heads * kc * 4))                        # queries per tile
-    selected = torch.zeros_like(group.causal)
+    out = torch.empty(B, Qmax, k, dtype=torch.int32, device=causal.device)
     for q0 in range(0, Qmax, qc):
         sl = slice(q0, q0 + qc)
         best_v = best_i = None
         for k0 in range(0, Kmax, kc):
             ks = slice(k0, k0 + kc)
-            K = key_cache[group.kv_slots[:, ks]].float()                    # [B, n, di]
+            K = key_cache[kv_slots[:, ks]].float()                          # [B, n, di]
             s = torch.einsum("bqhd,bkd->bqhk", Q[:, sl], K).mul_(head_dim ** -0.5).relu_()   # [B, q, Hi, n]
             scores = torch.einsum("bqh,bqhk->bqk", W[:, sl], s)             # [B, q, n]
-            scores.masked_fill_(~group.causal[:, sl, ks], float("-inf"))
+            scores.masked_fill_(~causal[:, sl, ks], float("-inf"))
             v, i = scores.topk(min(k, scores.shape[-1]), dim=-1)            # [B, q, <=k]
             i = i + k0
             if best_v is not None:                                          # merge with earlier tiles
                 v, j = torch.cat([best_v, v], -1).topk(k, dim=-1)
                 i = torch.cat([best_i, i], -1).gather(-1, j)
             best_v, best_i = v, i
-        selected[:, sl].scatter_(-1, best_i, True)
-    return selected & group.causal
+        out[:, sl] = torch.where(best_v == float("-inf"), -1, best_i).to(torch.int32)
+    return out
+
+
+def selection_mask(group: AttnGroup, selection: torch.Tensor) -> torch.Tensor:
+    """A selection as the bool mask [B, Qmax, Kmax] (selected AND causal) on the group's padded view:
+    int32 indices [B, Qmax, k] (-1 = none) are scattered; a bool mask passes through."""
+    if selection.dtype == torch.bool:
+        return selection
+    causal = group.causal
+    Kmax = causal.shape[-1]
+    idx = selection.long()
+    mask = torch.zeros(*causal.shape[:2], Kmax + 1, dtype=torch.bool, device=causal.device)   # col Kmax: -1
+    mask.scatter_(-1, torch.where(idx < 0, Kmax, idx.clamp(max=Kmax)), True)
+    return mask[..., :Kmax] & causal
 
 
 def pool_keys(rows: torch.Tensor, ape: torch.Tensor, kpool: int) -> torch.Tensor:
