@@ -42,6 +42,10 @@ DEFERRED = {
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.triton_kernels"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.mhc"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.kda"): "triton, only on the cuda backend",
+    ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.mla_decode"): "triton, only on the cuda backend",
+    ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.indexer"): "triton, only on the cuda backend",
+    ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.routing"): "triton, only on the cuda backend",
+    ("glm_ray.bench.indexer", "glm_ray.kernels.cuda.indexer"): "triton: `--help` works without it",
 }
 
 

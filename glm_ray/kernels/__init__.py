@@ -22,6 +22,7 @@ from glm_ray.kernels.torch_ref import attention, block_fp8_linear, fused_moe, in
 from glm_ray.kernels.torch_ref import quant_ops as q
 from glm_ray.kernels.torch_ref.mhc import mhc_coefficients
 from glm_ray.kernels.torch_ref.moe import swiglu
+from glm_ray.kernels.torch_ref.routing import moe_routing
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ def _torch_ops() -> KernelOps:
                      mhc_coefficients=mhc_coefficients, kda_decode=kda.kda_decode,
                      mla_prefill=attention.mla_prefill, mla_decode=attention.mla_decode,
                      indexer_topk=indexer.indexer_topk, indexer_kpool_topk=indexer.indexer_kpool_topk,
-                     causal_conv1d=kda.causal_conv1d_cached, kda_chunked=kda.kda_chunked_cached, swiglu=swiglu)
+                     causal_conv1d=kda.causal_conv1d_cached, kda_chunked=kda.kda_chunked_cached, swiglu=swiglu,
+                     moe_routing=moe_routing)
 
 
 def _aiter_ops() -> KernelOps:

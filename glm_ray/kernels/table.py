@@ -73,6 +73,10 @@ class KernelOps:
     # (padding rows k = v = g = beta = 0), state [S, H, dk, dv] fp32 updated in place at slots [B], fresh [B]
     # bool) -> o [B, L, H, dv]
     kda_chunked: Callable | None = None
+    # MoE routing after the router GEMM: (logits [T, E] fp32, bias [E] fp32 | None (selection only), *, top_k,
+    # n_group, topk_group, renormalize, scale) -> weights [T, K] fp32 (un-biased sigmoid, renormalized, scaled),
+    # ids [T, K] int32 (descending biased score) — kernels/torch_ref/routing.py
+    moe_routing: Callable | None = None
     # SwiGLU activation: (gate [..., I], up [..., I], limit float | None) -> silu(gate) * up, or the clamped
     # form silu(min(gate, L)) * clamp(up, -L, L) (dense MLP / shared experts; the MoE ops apply their own)
     swiglu: Callable | None = None

@@ -37,21 +37,11 @@ class TopKRouter(nn.Module):
         load_sharded(param, ckpt, shard_dim=None, rank=0, tp=1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        T = x.shape[0]
-        E = self.weight.shape[0]
-        scores = F.linear(x.float(), self.weight).sigmoid()                      # [T, E] fp32
-        choice = scores + self.e_score_correction_bias                           # [T, E]
-        if self.n_group > 1:
-            g = choice.view(T, self.n_group, E // self.n_group)                  # [T, G, E/G]
-            group_scores = g.topk(2, dim=-1).values.sum(-1)                      # [T, G]
-            keep = group_scores.topk(self.topk_group, dim=-1).indices            # [T, topk_group]
-            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = g.masked_fill(~mask[..., None], float("-inf")).view(T, E)
-        ids = choice.topk(self.top_k, dim=-1).indices                            # [T, K]
-        w = scores.gather(1, ids)                                                # [T, K] un-biased
-        if self.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * self.scale, ids
+        """x [T, D] -> (weights [T, K] fp32, ids [T, K] int32): the GEMM, then the `moe_routing` op."""
+        logits = F.linear(x.float(), self.weight)                                # [T, E] fp32
+        return kernels.ops().moe_routing(logits, self.e_score_correction_bias, top_k=self.top_k,
+                                         n_group=self.n_group, topk_group=self.topk_group,
+                                         renormalize=self.norm_topk_prob, scale=self.scale)
 
 
 class FusedMoE(nn.Module):

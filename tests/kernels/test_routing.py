@@ -1,0 +1,164 @@
+"""MoE routing after the router GEMM: the torch reference (kernels/torch_ref/routing.py) against
+`TopKRouter.forward`, and the Triton kernel (kernels/cuda/routing.py) under TRITON_INTERPRET=1 against
+the reference.
+
+Inputs are tie-free by construction (`separated_logits`): every row's choice values, and its group
+scores, are at least 2e-6 apart in exact arithmetic, ten times the worst disagreement of two fp32
+sigmoid implementations (a few ulp of values <= 2, ~2e-7), so the kernel and torch.topk must pick the
+same ids in the same order. Weights tolerance rel err <= 1e-6: the kernel and torch differ only by the
+sigmoid's last ulp and the order of the K-term renormalization sum (fp32 round-off, ~1e-7).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from importlib import resources
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    # CPU-only: nothing can run compiled Triton here, so build every triton kernel interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from glm_ray.config import ModelConfig  # noqa: E402
+from glm_ray.kernels.torch_ref.routing import moe_routing as ref_routing  # noqa: E402
+from tests.kernels.cases import rel_err  # noqa: E402
+
+# (E, top_k, n_group, topk_group): glm5-flash-31b, GLM-5, DeepSeek-style grouped, a tiny grouped one
+CASES = [(64, 4, 1, 1), (256, 8, 1, 1), (256, 8, 8, 4), (16, 2, 4, 2)]
+PADDED = [(160, 6, 8, 3)]   # DeepSeek-V2 shape: E not a power of two (pad columns), groups of 20
+SCALE = 2.5
+
+
+def separated_logits(t: int, e: int, n_group: int, bias: torch.Tensor | None, *, seed: int = 0,
+                     gap: float = 2e-6) -> torch.Tensor:
+    """Random logits [T, E] fp32 (CPU) whose rows have all choices sigmoid(l) + bias, and all group
+    top-2 sums, pairwise >= `gap` apart (checked in float64; offending rows are redrawn)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(t, e, generator=g) * 2
+    b = torch.zeros(e, dtype=torch.float64) if bias is None else bias.detach().double().cpu()
+    while True:
+        choice = logits.double().sigmoid() + b                                # [T, E]
+        bad = (choice.sort(-1).values.diff(dim=-1) < gap).any(-1)              # [T]
+        if n_group > 1:
+            gs = choice.view(t, n_group, -1).topk(2, dim=-1).values.sum(-1)    # [T, G]
+            bad |= (gs.sort(-1).values.diff(dim=-1) < gap).any(-1)
+        n_bad = int(bad.sum())
+        if n_bad == 0:
+            return logits
+        logits[bad] = torch.randn(n_bad, e, generator=g) * 2
+
+
+def make_bias(e: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(e, generator=torch.Generator().manual_seed(seed)) * 0.1
+
+
+# ------------------------------------------------------------------------ reference == TopKRouter
+
+def _original_router_math(logits, bias, top_k, n_group, topk_group, norm, scale):
+    """`TopKRouter.forward` after its GEMM as it was before the layer moved to the `moe_routing` op
+    (frozen here, so the reference stays pinned to the original results)."""
+    T, E = logits.shape
+    scores = logits.sigmoid()                                                 # [T, E] fp32
+    choice = scores + bias                                                    # [T, E]
+    if n_group > 1:
+        g = choice.view(T, n_group, E // n_group)                             # [T, G, E/G]
+        group_scores = g.topk(2, dim=-1).values.sum(-1)                       # [T, G]
+        keep = group_scores.topk(topk_group, dim=-1).indices                  # [T, topk_group]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = g.masked_fill(~mask[..., None], float("-inf")).view(T, E)
+    ids = choice.topk(top_k, dim=-1).indices                                  # [T, K]
+    w = scores.gather(1, ids)                                                 # [T, K] un-biased
+    if norm:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scale, ids
+
+
+def _router(e: int, k: int, n_group: int, topk_group: int, norm: bool):
+    from glm_ray.layers.moe import TopKRouter
+    hf = json.loads(resources.files("glm_ray").joinpath("configs/glm5-tiny.json").read_text())
+    hf.update(n_routed_experts=e, num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
+              norm_topk_prob=norm, routed_scaling_factor=SCALE)
+    router = TopKRouter(ModelConfig.from_hf(hf, dtype="float32"))
+    g = torch.Generator().manual_seed(e + k)
+    router.weight.data.copy_(torch.randn(router.weight.shape, generator=g) * 0.1)
+    router.e_score_correction_bias.data.copy_(make_bias(e))
+    return router
+
+
+@pytest.mark.parametrize("e,k,n_group,topk_group,norm",
+                         [(8, 2, 2, 1, True), (64, 4, 1, 1, True), (256, 8, 8, 4, True), (256, 8, 1, 1, False)])
+def test_reference_matches_router(e, k, n_group, topk_group, norm):
+    """Bit-exact: the reference == the original router math == `TopKRouter.forward` (torch backend)."""
+    router = _router(e, k, n_group, topk_group, norm)
+    x = torch.randn(37, router.weight.shape[1], generator=torch.Generator().manual_seed(3)).bfloat16()
+    logits = F.linear(x.float(), router.weight)                               # [T, E] fp32
+    bias = router.e_score_correction_bias
+    w_orig, ids_orig = _original_router_math(logits, bias, k, n_group, topk_group, norm, SCALE)
+    w, ids = ref_routing(logits, bias, top_k=k, n_group=n_group, topk_group=topk_group, renormalize=norm,
+                         scale=SCALE)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids, ids_orig.to(torch.int32))
+    assert torch.equal(w, w_orig)
+    w_layer, ids_layer = router(x)
+    assert torch.equal(ids_layer.to(torch.int32), ids) and torch.equal(w_layer, w)
+
+
+def test_reference_bias_none_is_zeros():
+    logits = separated_logits(9, 64, 1, None)
+    a = ref_routing(logits, None, top_k=4, n_group=1, topk_group=1, renormalize=True, scale=SCALE)
+    b = ref_routing(logits, torch.zeros(64), top_k=4, n_group=1, topk_group=1, renormalize=True, scale=SCALE)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ------------------------------------------------------------------------ Triton kernel (interpreter)
+
+triton_routing = pytest.importorskip("glm_ray.kernels.cuda.routing", reason="triton not importable")
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("t", [1, 5, 33])
+@pytest.mark.parametrize("e,k,n_group,topk_group", CASES + PADDED)
+def test_kernel_matches_reference(e, k, n_group, topk_group, t, renorm):
+    bias = make_bias(e)
+    logits = separated_logits(t, e, n_group, bias, seed=t)
+    kw = dict(top_k=k, n_group=n_group, topk_group=topk_group, renormalize=renorm, scale=SCALE)
+    w_ref, ids_ref = ref_routing(logits, bias, **kw)
+    w, ids = triton_routing.moe_routing(logits, bias, **kw)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and w.shape == (t, k)
+    assert torch.equal(ids, ids_ref)
+    assert rel_err(w, w_ref) <= 1e-6
+
+
+def test_kernel_no_bias_and_strided_rows():
+    logits_full = separated_logits(7, 96, 1, None, seed=5)                    # [T, 96]; use the first 64
+    logits = logits_full[:, :64]
+    kw = dict(top_k=4, n_group=1, topk_group=1, renormalize=True, scale=1.0)
+    w_ref, ids_ref = ref_routing(logits, None, **kw)
+    w, ids = triton_routing.moe_routing(logits, None, **kw)
+    assert torch.equal(ids, ids_ref)
+    assert rel_err(w, w_ref) <= 1e-6
+
+
+def test_kernel_tie_rule_lowest_index_first():
+    """Documented kernel contract for exact ties (torch.topk leaves it unspecified): lowest index
+    first, for groups and for experts; weights then are equal."""
+    logits = torch.zeros(3, 16)
+    w, ids = triton_routing.moe_routing(logits, None, top_k=4, n_group=1, topk_group=1, renormalize=True,
+                                        scale=1.0)
+    assert torch.equal(ids, torch.arange(4, dtype=torch.int32).expand(3, 4))
+    assert torch.allclose(w, torch.full((3, 4), 0.25))
+    # 4 groups of 4, keep 2: groups 0 and 1 win the tie, so experts 0..5 (of 0..7)
+    w, ids = triton_routing.moe_routing(logits, None, top_k=6, n_group=4, topk_group=2, renormalize=False,
+                                        scale=1.0)
+    assert torch.equal(ids, torch.arange(6, dtype=torch.int32).expand(3, 6))
+    assert torch.allclose(w, torch.full((3, 6), 0.5))
+
+
+def test_kernel_empty_batch():
+    w, ids = triton_routing.moe_routing(torch.zeros(0, 64), None, top_k=4, n_group=1, topk_group=1,
+                                        renormalize=True, scale=SCALE)
+    assert w.shape == (0, 4) and ids.shape == (0, 4)
