@@ -28,6 +28,8 @@ class AttnGroup:
     token_index: torch.Tensor    # [Tg] int64 rows of T owned by the group, in the order q_valid packs them
     q_index: torch.Tensor        # [B, Qmax] int64 index into T (padding -> 0)
     q_valid: torch.Tensor        # [B, Qmax] bool
+    packed: torch.Tensor         # [Tg] int64 valid entries of the flattened [B*Qmax] view, in q_valid order
+                                 # (`x.flatten(0, 1)[packed]` == `x[q_valid]` without a host sync)
     block_table: torch.Tensor    # [B, nb] int32 cache blocks of each sequence (padding -> 0)
     context_lens: torch.Tensor   # [B] int32 cached + new tokens of each sequence
     query_lens: torch.Tensor     # [B] int32 new tokens of each sequence this step
@@ -122,8 +124,8 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
                       + (mode if mla_mode == "auto" else mla_mode,))
     def to(t):
         return t.to(device, non_blocking=True)
-    groups = tuple(AttnGroup(*(to(t) for t in g[:6]), block_size=block_size, max_context_len=int(g[4].max()),
-                             mla_mode=g[8], state_slots=to(g[6]), state_fresh=to(g[7]))
+    groups = tuple(AttnGroup(*(to(t) for t in g[:7]), block_size=block_size, max_context_len=int(g[5].max()),
+                             mla_mode=g[9], state_slots=to(g[7]), state_fresh=to(g[8]))
                    for g in groups)
     return ForwardBatch(positions=to(positions), slot_mapping=to(slot_mapping), groups=groups,
                         max_context_len=int(cl.max()))
@@ -170,10 +172,12 @@ def _buckets(order: list[int], query_lens: list[int], context_lens: list[int]) -
 
 
 def _group(ql, cl, starts, bt):
-    """Host metadata of one group: (token_index, q_index, q_valid, block_table, context_lens, query_lens)."""
+    """Host metadata of one group: (token_index, q_index, q_valid, packed, block_table, context_lens,
+    query_lens)."""
     Qmax = int(ql.max())
     qoff = torch.arange(Qmax)                                                # [Qmax]
     q_valid = qoff[None, :] < ql[:, None]                                    # [B, Qmax]
     q_index = torch.where(q_valid, starts[:, None] + qoff[None, :], 0)       # [B, Qmax]
     token_index = q_index[q_valid]                                           # [Tg]
-    return token_index, q_index, q_valid, bt.to(torch.int32), cl.to(torch.int32), ql.to(torch.int32)
+    packed = q_valid.flatten().nonzero()[:, 0]                               # [Tg] (host)
+    return token_index, q_index, q_valid, packed, bt.to(torch.int32), cl.to(torch.int32), ql.to(torch.int32)

@@ -145,4 +145,4 @@ class KimiDeltaAttention(nn.Module):
                                  fresh)[:, None]                              # [B, 1, h, dv]
         else:                                                                 # prefill: chunked form
             out = ops.kda_chunked(q, k, v, gg, bb, rec_state, slots, fresh)   # [B, Q, h, dv]
-        return out[valid]                                                     # [Tg, h, dv]
+        return out.flatten(0, 1)[grp.packed]                                  # [Tg, h, dv]

@@ -99,6 +99,7 @@ class DecodeGraphs:
         rows = torch.arange(B, device=dev)
         # the MLA layer runs the indexer iff max_context_len > index_topk: the capacity decides it
         group = AttnGroup(token_index=rows, q_index=rows[:, None], q_valid=torch.ones(B, 1, dtype=torch.bool, device=dev),
+                          packed=rows,
                           block_table=self.block_table[:B, :cap // self.block_size], context_lens=self.context_lens[:B],
                           query_lens=torch.ones(B, dtype=torch.int32, device=dev), block_size=self.block_size,
                           max_context_len=cap, mla_mode="absorbed", state_slots=self.state_slots[:B],

@@ -21,10 +21,16 @@
 * mhc_coefficients: one Triton launch. Reference when: not CUDA, sm < 70, hc_mult not a power of 2.
 * kda_decode: Triton, state updated in place. Reference when: not CUDA, sm < 70, head dim not a power
   of 2, state not fp32.
-* mla_prefill, mla_decode, indexer_topk, indexer_kpool_topk, causal_conv1d, kda_chunked, swiglu:
-  inherited from torch (masked SDPA over the group's gathered view — pinned to the mem-efficient /
-  math SDPA backends on a GPU by the reference itself —, tiled top-k, chunked KDA); the paged / sparse
-  kernels come next behind the same signatures.
+* mla_decode: the Triton paged kernel (mla_decode.py: all heads of a token in one tile, split over keys,
+  merged by log-sum-exp) over the block table (dense) or the DSA top-k positions (sparse). Reference
+  when: not CUDA, sm < 80, not bf16/fp16, more than one query per sequence (a forced absorbed prefill),
+  a bool-mask selection (the k-pool indexer).
+* indexer_topk: decode groups score the paged key cache in one Triton kernel (indexer.py) + torch.topk.
+  Reference when: not CUDA, sm < 80, more than one query per sequence (prefill).
+* moe_routing: one Triton kernel (routing.py). Reference when: not CUDA, sm < 70, E > 1024.
+* mla_prefill, indexer_kpool_topk, causal_conv1d, kda_chunked, swiglu: inherited from torch (masked SDPA
+  over the group's gathered view — pinned to the mem-efficient / math SDPA backends on a GPU by the
+  reference itself —, tiled top-k, chunked KDA).
 * Any kernel exception (e.g. a Triton compile error on an untested GPU/Triton pair) marks that op
   broken for the process: logged with its traceback, reference from then on (`_guarded`).
 gate_mode must be "separated" everywhere (the torch contract check raises otherwise).
@@ -44,13 +50,16 @@ import torch.nn.functional as F
 from glm_ray import envs
 from glm_ray.kernels.cuda import layout as L
 from glm_ray.kernels.table import KernelOps
+from glm_ray.kernels.torch_ref import attention as ref_attention
 from glm_ray.kernels.torch_ref import fused_moe as ref_fused_moe
+from glm_ray.kernels.torch_ref import indexer as ref_indexer
 from glm_ray.kernels.torch_ref import quant_ops as ref
 from glm_ray.kernels.torch_ref.fp8 import FP8_DTYPE, per_token_group_quant_fp8
 from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
 from glm_ray.kernels.torch_ref.kda import kda_decode as ref_kda_decode
 from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref_mhc
 from glm_ray.kernels.torch_ref.mxfp4 import canonical_scale_mode
+from glm_ray.kernels.torch_ref.routing import moe_routing as ref_moe_routing
 
 logger = logging.getLogger(__name__)
 
@@ -361,10 +370,66 @@ class CudaKernels:
         return self._guarded("kda_decode", lambda: fast(*args), lambda: ref_kda_decode(*args))
 
 
+    # ---- attention and the DSA indexer: decode groups -------------------------------------------
+    def _decode_reason(self, x: torch.Tensor, group) -> str | None:
+        return (self._gpu_reason(x, 80, need_triton=True)
+                or (f"dtype {x.dtype} (bf16/fp16 kernel)" if x.dtype not in HALF_DTYPES else None)
+                or ("more than one query per sequence" if group.q_index.shape[1] != 1 else None))
+
+    def mla_decode(self, q, kv_cache, group, selection, *, kv_lora_rank: int, scale: float,
+                   max_bytes: int = ref_attention.ATTN_BYTES):
+        def slow():
+            return ref_attention.mla_decode(q, kv_cache, group, selection, kv_lora_rank=kv_lora_rank, scale=scale,
+                                            max_bytes=max_bytes)
+        reason = self._decode_reason(q, group) or (
+            f"cache dtype {kv_cache.dtype} != {q.dtype}" if kv_cache.dtype != q.dtype else None) or (
+            "a bool-mask selection" if selection is not None and selection.dtype == torch.bool else None)
+        if reason is not None:
+            self._fallback("mla_decode", reason)
+            return slow()
+        from glm_ray.kernels.cuda.mla_decode import mla_decode_paged  # noqa: PLC0415 (imports triton)
+        def fast():
+            rows = group.q_index[:, 0]                                      # [B] rows of T
+            idx = None if selection is None else selection[:, 0]            # [B, k] positions
+            return mla_decode_paged(q[rows], kv_cache, group.block_table, group.context_lens, group.block_size,
+                                    kv_lora_rank=kv_lora_rank, scale=scale, indices=idx)   # [B, h, r]
+        return self._guarded("mla_decode", fast, slow)
+
+    def indexer_topk(self, qi, w, key_cache, group, topk: int, *, max_bytes: int = ref_indexer.SCORE_BYTES):
+        def slow():
+            return ref_indexer.indexer_topk(qi, w, key_cache, group, topk, max_bytes=max_bytes)
+        reason = (self._gpu_reason(qi, 80, need_triton=True)
+                  or ("more than one query per sequence" if group.q_index.shape[1] != 1 else None))
+        if reason is not None:
+            self._fallback("indexer_topk", reason)
+            return slow()
+        from glm_ray.kernels.cuda.indexer import indexer_decode_topk  # noqa: PLC0415 (imports triton)
+        def fast():
+            rows = group.q_index[:, 0]                                      # [B]
+            kmax = group.kv_capacity or group.max_context_len
+            idx = indexer_decode_topk(qi[rows], w[rows], key_cache, group.block_table, group.context_lens,
+                                      group.block_size, topk, kmax)         # [B, k]
+            return idx[:, None, :]                                          # [B, 1, k]
+        return self._guarded("indexer_topk", fast, slow)
+
+    # ---- MoE routing ------------------------------------------------------------------------------
+    def moe_routing(self, logits, bias, *, top_k: int, n_group: int, topk_group: int, renormalize: bool,
+                    scale: float):
+        kw = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, renormalize=renormalize, scale=scale)
+        reason = self._gpu_reason(logits, 70, need_triton=True) or (
+            f"{logits.shape[-1]} experts > 1024" if logits.shape[-1] > 1024 else None)
+        if reason is not None:
+            self._fallback("moe_routing", reason)
+            return ref_moe_routing(logits, bias, **kw)
+        from glm_ray.kernels.cuda.routing import moe_routing as fast  # noqa: PLC0415 (imports triton)
+        return self._guarded("moe_routing", lambda: fast(logits, bias, **kw), lambda: ref_moe_routing(logits, bias, **kw))
+
+
 def make_ops(fp8_gemm: str | None = None):
     """KernelOps for the cuda backend (moe_quant_layout / moe_quant_prepare are inherited from torch)."""
     k = CudaKernels(fp8_gemm)
     return KernelOps(name="cuda", block_fp8_linear=k.block_fp8_linear, fused_moe=k.fused_moe,
                      block_fp8_linear_prepare=k.block_fp8_linear_prepare, fused_moe_block_fp8=k.fused_moe_block_fp8,
                      fused_moe_mxfp4=k.fused_moe_mxfp4, mxfp4_linear=k.mxfp4_linear,
-                     mhc_coefficients=k.mhc_coefficients, kda_decode=k.kda_decode)
+                     mhc_coefficients=k.mhc_coefficients, kda_decode=k.kda_decode, mla_decode=k.mla_decode,
+                     indexer_topk=k.indexer_topk, moe_routing=k.moe_routing)

@@ -75,7 +75,7 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup, selec
     else:
         k, v = expand(kv_cache[group.kv_slots])                             # [B, K, h, *]
         o = sdpa(qg.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None], scale).transpose(1, 2)
-    return o[group.q_valid]                                                 # [Tg, h, dv]
+    return o.flatten(0, 1)[group.packed]                                    # [Tg, h, dv]
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup, selection: torch.Tensor | None, *,
@@ -105,7 +105,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup, select
         kv = kv_cache[group.kv_slots][:, None]                              # [B, 1, Kmax, r+dr]
         m = mask[:, :, None, :].expand(B, Qm, h, K).reshape(B, 1, Qm * h, K)   # [B, 1, Qmax*h, Kmax]
         o_lat = sdpa(qg.reshape(B, 1, Qm * h, D), kv, kv[..., :r], m, scale).reshape(B, Qm, h, r)
-    return o_lat[group.q_valid]                                             # [Tg, h, r]
+    return o_lat.flatten(0, 1)[group.packed]                                # [Tg, h, r]
 
 
 def online_softmax(q: torch.Tensor, kv_chunk, mask: torch.Tensor, K: int, bytes_per_key: int, *, scale: float,

@@ -42,7 +42,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     flat_ids = topk_ids.reshape(-1)                                   # [T*K]
     order = torch.argsort(flat_ids, stable=True)                      # pairs sorted by expert
     token_of = order // K                                             # [T*K] source token per pair
-    counts = torch.bincount(flat_ids, minlength=E)                    # [E]
+    # NOTE: scatter_add, not bincount: CUDA bincount reads the max back to the host (a sync; no graphs)
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(
+        0, flat_ids.long(), torch.ones_like(flat_ids, dtype=torch.int64))   # [E]
     offs = torch.cumsum(counts, 0).to(torch.int32)                    # [E]
     xs = x.index_select(0, token_of)                                  # [T*K, D]
     h = _grouped_mm(xs, w13.transpose(1, 2), offs)                    # [T*K, 2I]

@@ -1,0 +1,149 @@
+"""Bandwidth benchmark of the decode attention kernel: the `cuda` backend's Triton paged MLA decode
+(`kernels/cuda/mla_decode.py`, absorbed form) against the torch reference (`torch_ref.attention.
+mla_decode`, gather + SDPA) at GLM-5 shapes (r = 512, dr = 64), bf16.
+
+    python -m glm_ray.bench.attention [--heads 16 32 64] [--batch 1 8 32 64] [--json PATH]
+
+Per (h, B, context) dense, and sparse (DSA, K = 2048 indices) at 8k / 32k: the median time of a
+CUDA-graph replay (decode runs under graphs; eager timing of a ~10 us kernel measures the host's
+launch cost instead) with the L2 flushed before each (`triton.testing.do_bench`, else CUDA events),
+the bytes the kernel must read (B * keys * D * 2 for the cache rows + q in + o_lat out), the achieved
+TB/s and its ratio to the copy rate measured on the H200 (4.2 TB/s, bytes read + written by a
+device-to-device copy), and the reference's time at the same shape (skipped where its one-shot
+gather + scores would exceed 1 GiB; timed eagerly, host cost included). Decode MLA at h = 64 needs
+121 FLOP per cache byte, so the tflops column is printed too.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from glm_ray.bench.table import append_rows, print_rows
+from glm_ray.forward_batch import build_forward_batch
+from glm_ray.kernels.cuda.mla_decode import default_num_splits, mla_decode_paged
+from glm_ray.kernels.torch_ref.attention import mla_decode as ref_mla_decode
+
+try:
+    from triton.testing import do_bench
+except ImportError:                  # CUDA events below
+    do_bench = None
+
+COPY_TBPS = 4.2                      # H200 device-to-device copy rate measured here (docs/measurements)
+R, DR = 512, 64
+D = R + DR
+SPARSE_K = 2048
+REF_MAX_BYTES = 1 << 30
+
+
+def _graphed(fn):
+    """fn captured in a CUDA graph (decode runs under graphs: no host launch cost in the timing)."""
+    fn()                                                                    # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _time_ms(fn, iters: int, graph: bool = True) -> float:
+    """Median milliseconds of one CUDA-graph replay of fn (or of fn itself, `graph=False`), the L2
+    flushed before each."""
+    fn = _graphed(fn) if graph else fn
+    if do_bench is not None:
+        return float(do_bench(fn, warmup=5, rep=max(20, iters), return_mode="median"))
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in ev:
+        flush.zero_()
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in ev)[iters // 2]
+
+
+def _case(B: int, h: int, ctx: int, block_size: int, sparse: bool, dev: torch.device, g: torch.Generator):
+    nb = -(-ctx // block_size)
+    block_table = torch.randperm(B * nb, generator=g).view(B, nb).int()      # shuffled blocks
+    kv_cache = torch.randn(B * nb * block_size, D, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(B, h, D, device=dev, dtype=torch.bfloat16)
+    context_lens = torch.full((B,), ctx, dtype=torch.int32)
+    indices = None
+    if sparse:
+        indices = torch.stack([torch.randperm(ctx, generator=g)[:SPARSE_K] for _ in range(B)]).int()   # [B, K]
+        indices = indices.to(dev)
+    return q, kv_cache, block_table, context_lens, indices
+
+
+def _reference_bytes(B: int, h: int, ctx: int) -> int:
+    """One-shot transient of the torch reference: gathered rows, the bool mask expanded per head, fp32
+    scores and probabilities, the int64 slots."""
+    return B * ctx * (D * 2 + h * (1 + 8) + 8)
+
+
+def _measure(h: int, B: int, ctx: int, sparse: bool, block_size: int, iters: int, reference: bool,
+             g: torch.Generator) -> dict:
+    dev = torch.device("cuda")
+    scale = 192 ** -0.5
+    q, kv, bt, cl, idx = _case(B, h, ctx, block_size, sparse, dev, g)
+    bt_d, cl_d = bt.to(dev), cl.to(dev)
+    keys = min(ctx, SPARSE_K) if sparse else ctx
+    nbytes = B * keys * D * 2 + B * h * (D + R) * 2                         # cache rows + q in + o_lat out
+    ms = _time_ms(lambda: mla_decode_paged(q, kv, bt_d, cl_d, block_size, kv_lora_rank=R, scale=scale,
+                                           indices=idx), iters)
+    row = {"h": h, "B": B, "context": ctx, "mode": "sparse" if sparse else "dense", "keys": keys,
+           "splits": default_num_splits(B, h, D, SPARSE_K if sparse else bt.shape[1] * block_size),
+           "us": ms * 1e3, "MB": nbytes / 1e6, "TB_s": nbytes / ms / 1e9,
+           "tflops": 2 * B * h * keys * (D + R) / ms / 1e9}
+    row["copy_ratio"] = row["TB_s"] / COPY_TBPS
+    row["ref_us"] = float("nan")
+    if reference and _reference_bytes(B, h, ctx) <= REF_MAX_BYTES:
+        grp = build_forward_batch([1] * B, [ctx] * B, bt.tolist(), block_size, dev, mla_mode="absorbed").groups[0]
+        sel = None if idx is None else idx[:, None, :]                       # [B, 1, K]
+        row["ref_us"] = _time_ms(lambda: ref_mla_decode(q, kv, grp, sel, kv_lora_rank=R, scale=scale),
+                                 max(5, iters // 4), graph=False) * 1e3
+    row["speedup"] = row["ref_us"] / row["us"]
+    return row
+
+
+@torch.inference_mode()
+def run(heads: list[int], batches: list[int], contexts: list[int], sparse_contexts: list[int], block_size: int,
+        iters: int, reference: bool) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    shapes = [(c, False) for c in contexts] + [(c, True) for c in sparse_contexts]
+    for h in heads:
+        n0 = len(rows)
+        for B in batches:
+            for ctx, sparse in shapes:
+                rows.append(_measure(h, B, ctx, sparse, block_size, iters, reference, g))
+        print_rows(rows[n0:], COLS, width=10)                                # one table per head count
+        print(flush=True)
+    return rows
+
+
+COLS = ["h", "B", "context", "mode", "splits", "us", "MB", "TB_s", "copy_ratio", "tflops", "ref_us", "speedup"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", type=int, nargs="+", default=[16, 32, 64], help="query heads per rank (h)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64], help="decode sequences (B)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768], help="dense context lengths")
+    p.add_argument("--sparse-contexts", type=int, nargs="*", default=[8192, 32768],
+                   help=f"context lengths of the sparse (K={SPARSE_K}) rows")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--no-reference", action="store_true", help="skip the torch reference timings")
+    p.add_argument("--json", default=None, help="also append the rows to this JSONL file")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("glm_ray.bench.attention needs a CUDA GPU")
+    rows = run(a.heads, a.batch, a.contexts, a.sparse_contexts, a.block_size, a.iters, not a.no_reference)
+    append_rows(a.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""Micro-benchmark of the Triton DSA lightning-indexer decode kernel (glm_ray/kernels/cuda/indexer.py):
+per batch size B and context length, the median GPU time of the scores kernel alone and of scores +
+top-k, the bytes the scores kernel moves and the bandwidth it reaches (vs the H200's ~4.2 TB/s
+achievable HBM read rate).
+
+    python -m glm_ray.bench.indexer [--batch 1 8 32 64] [--context 1024 8192 32768] [--json out.jsonl]
+
+GLM-5 shapes: 32 indexer heads x 128, bf16 keys, fp32 queries and head weights, top-2048. Every sequence
+of a row has the same context, its blocks scattered over the cache (random block table). Each op is
+captured once in a CUDA graph (as decode runs) and timed on graph replays with CUDA events, with the
+L2 cache flushed before every replay (--no-flush keeps it warm: small contexts then fit in L2).
+Bytes (scores kernel): keys B * ctx * di * 2 + block table B * nb * 4 + qi B * Hi * di * 4 + w B * Hi * 4
++ the scores written B * kmax * 4. Needs CUDA; imports (and --help) work without a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from functools import partial
+
+import torch
+
+from glm_ray.bench.table import append_rows, print_rows
+
+HBM_TBPS = 4.2
+COLS = ["B", "context", "scores_us", "topk_us", "total_us", "MB", "TB/s", "frac_4.2"]
+
+
+def _kernels():
+    """The kernel module (imports triton): loaded on first use, so --help needs neither triton nor a GPU."""
+    from glm_ray.kernels.cuda import indexer  # noqa: PLC0415 - lazy: triton only when benchmarking
+    return indexer
+
+
+def _time_graph(fn, iters: int, flush: torch.Tensor | None) -> float:
+    """Median microseconds of one replay of `fn` captured in a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):                                   # warm-up: compile + allocator
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(iters):
+        if flush is not None:
+            flush.zero_()                                        # evict the keys from L2
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def run(batches: list[int], contexts: list[int], *, heads: int = 32, head_dim: int = 128, block_size: int = 64,
+        topk: int = 2048, iters: int = 50, flush: bool = True, qi_dtype: torch.dtype = torch.float32) -> list[dict]:
+    K = _kernels()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    buf = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev) if flush else None
+    rows = []
+    for ctx in contexts:
+        for B in batches:
+            nb = -(-ctx // block_size)
+            kmax = nb * block_size
+            key_cache = torch.randn(B * nb * block_size, head_dim, generator=g, device=dev).to(torch.bfloat16)
+            bt = torch.randperm(B * nb, generator=g, device=dev).view(B, nb).to(torch.int32)   # [B, nb]
+            cl = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+            qi = torch.randn(B, heads, head_dim, generator=g, device=dev).to(qi_dtype)
+            w = torch.randn(B, heads, generator=g, device=dev) * heads ** -0.5
+
+            args = (qi, w, key_cache, bt, cl, block_size)
+            t_s = _time_graph(partial(K.indexer_decode_scores, *args, kmax), iters, buf)
+            t_all = _time_graph(partial(K.indexer_decode_topk, *args, topk, kmax), iters, buf)
+            nbytes = (B * ctx * head_dim * key_cache.element_size() + B * nb * 4
+                      + B * heads * head_dim * qi.element_size() + B * heads * 4 + B * kmax * 4)
+            tbps = nbytes / (t_s * 1e-6) / 1e12
+            rows.append({"bench": "indexer_decode", "B": B, "context": ctx, "heads": heads, "head_dim": head_dim,
+                         "block_size": block_size, "topk": topk, "block_n": K.BLOCK_N, "tiles": K._tiles(B, kmax),
+                         "num_warps": K.NUM_WARPS, "qi_parts": K.FP32_QUERY_PARTS,
+                         "topk_impl": K.TOPK_IMPL, "topk_chunk": K.TOPK_CHUNK, "topk_warps": K.TOPK_WARPS,
+                         "qi_dtype": str(qi_dtype).removeprefix("torch."), "flush_l2": flush,
+                         "scores_us": t_s, "topk_us": t_all - t_s, "total_us": t_all,
+                         "MB": nbytes / 1e6, "TB/s": tbps, "frac_4.2": tbps / HBM_TBPS})
+            del args, key_cache                                  # free before the next (bigger) cache
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--context", type=int, nargs="+", default=[1024, 8192, 32768])
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--qi-dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--no-flush", action="store_true", help="keep L2 warm between replays")
+    p.add_argument("--block-n", type=int, default=None, help="override the kernel's positions per program")
+    p.add_argument("--tiles", type=int, default=None, help="override the kernel's tiles per program")
+    p.add_argument("--num-warps", type=int, default=None, help="override the kernel's warps per program")
+    p.add_argument("--topk-impl", choices=["triton", "torch"], default=None, help="override the top-k path")
+    p.add_argument("--topk-chunk", type=int, default=None, help="override the top-k kernel's scores per step")
+    p.add_argument("--topk-warps", type=int, default=None, help="override the top-k kernel's warps")
+    p.add_argument("--parts", type=int, default=None, help="override the bf16 parts of an fp32 query (1-3)")
+    p.add_argument("--json", default=None, help="also append the rows to this JSONL file")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("glm_ray.bench.indexer needs a CUDA GPU")
+    K = _kernels()
+    if a.block_n:
+        K.BLOCK_N = a.block_n
+    if a.tiles:
+        K.TILES = a.tiles
+    if a.num_warps:
+        K.NUM_WARPS = a.num_warps
+    if a.topk_impl:
+        K.TOPK_IMPL = a.topk_impl
+    if a.topk_chunk:
+        K.TOPK_CHUNK = a.topk_chunk
+    if a.topk_warps:
+        K.TOPK_WARPS = a.topk_warps
+    if a.parts:
+        K.FP32_QUERY_PARTS = a.parts
+    rows = run(a.batch, a.context, block_size=a.block_size, topk=a.topk, iters=a.iters, flush=not a.no_flush,
+               qi_dtype=getattr(torch, a.qi_dtype))
+    print_rows(rows, COLS, width=10)
+    append_rows(a.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,255 @@
+"""Triton DSA lightning-indexer decode kernel of the `cuda` backend: the index scores of one query per
+sequence over its paged key cache, and their top-k positions (contract: `indexer_topk` in
+kernels/torch_ref/indexer.py, here for query_lens == 1 and with int32 positions out).
+
+    I[b, t] = sum_h w[b, h] * relu(qi[b, h] . k[t] * di^-0.5),   t < context_lens[b]
+
+* `_indexer_scores_kernel` — one program per (sequence b, `tiles` tiles of BLOCK_N positions): maps the
+  positions to flat cache slots through the block table (slot = block_table[b, p // bs] * bs + p % bs),
+  loads the keys [BLOCK_N, di] once, computes keys @ qi^T -> [BLOCK_N, Hi] on the tensor cores with fp32
+  accumulation, then scale, ReLU, head weights and the sum over heads -> [BLOCK_N] fp32. Positions >=
+  context_lens[b] get -inf; a program entirely past the context only writes -inf (no loads). Grid
+  (B, cdiv(kmax, tiles * BLOCK_N)) and every constexpr come from shapes / dtypes, never from values:
+  CUDA-graph capturable with a static `kmax` (e.g. nb * block_size).
+* fp32 accuracy on the tensor cores: bf16 keys are exact in bf16, so an fp32 query is split into
+  FP32_QUERY_PARTS bf16 parts (q1 + q2 + q3, each the bf16 rounding of what is left) and each part is
+  one bf16 dot: every bf16 x bf16 product is exact in fp32 and the parts carry q to ~2^-24, so the result
+  is the fp32 dot up to summation order (no TF32 anywhere). A bf16 query is one part (H200: 3.4 vs
+  2.3-2.7 TB/s at B=64 x 32k: the split fp32 path is partly compute-bound). fp32 keys take one fp32 dot
+  with input_precision="ieee" (CUDA-core FMAs: slower, exact).
+* Top-k (`select_topk`): torch.topk(sorted=False) on the [B, kmax] scores, -inf picks -> -1. It launches
+  from shapes only (capturable). Measured on the H200 (CUDA-graph replays, cold L2): 48-59 us at 8k and
+  51-76 us at 32k for B = 1..64 (k = 2048) — as much as or more than the score kernel below B ~ 32; a
+  fused / multi-CTA select is the next step if the indexer shows up in the decode profile.
+  `_topk_kernel` (TOPK_IMPL = "triton") is an exact one-program-per-row radix select (tl.histogram
+  passes + a compaction): 5 us when every context fits in k, but 55 us at 8k and 150 us at 32k (one SM
+  per row, histogram-bound), so it is opt-in; it returns ascending positions and breaks ties by lowest
+  position.
+* Ties: exact score ties are broken by torch.topk's internal order, not the reference's; selection
+  sets can differ only among positions whose scores tie (or nearly tie, within fp32 summation-order
+  noise) with the k-th best. Both are undefined by the contract.
+
+Under `TRITON_INTERPRET=1` (CPU tests) the bf16 parts are upcast to fp32 before `tl.dot` (the
+interpreter's bf16 dot is garbage); the split itself is still exercised.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+NEG_INF = float("-inf")
+NEG_INF_KEY = tl.constexpr(-2139095041)    # `_order_key(-inf)`: bits 0xff800000 ^ 0x7fffffff
+BLOCK_N = 64            # positions per tile   } H200 tuning: see glm_ray/bench/indexer.py
+TILES = None            # tiles per program   } (None: `_tiles` picks from the shapes)
+NUM_WARPS = 4
+FP32_QUERY_PARTS = 3    # bf16 parts of an fp32 query (3: fp32-exact products; 2: ~2^-17 relative)
+TOPK_IMPL = "torch"     # "torch": torch.topk; "triton": `_topk_kernel` radix select (see above)
+TOPK_CHUNK = 4096       # scores per loop step of `_topk_kernel`
+TOPK_WARPS = 8
+
+
+@triton.jit
+def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, cl_ptr, out_ptr,
+                           stride_qb, stride_qh, stride_wb, stride_k, stride_bt, stride_ob, scale,
+                           KMAX, H: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, DB: tl.constexpr,
+                           BS: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, NSPLIT: tl.constexpr,
+                           INTERP: tl.constexpr):
+    b = tl.program_id(0)
+    base = tl.program_id(1) * (TILES * BLOCK_N)                                # first position of the program
+    ctx = tl.load(cl_ptr + b)
+    o_row = out_ptr + b.to(tl.int64) * stride_ob
+    if base < ctx:
+        offs_d = tl.arange(0, DB)
+        offs_h = tl.arange(0, HB)
+        d_ok = offs_d < D
+        h_ok = offs_h < H
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + offs_h[None, :] * stride_qh + offs_d[:, None],
+                    mask=d_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)   # [DB, HB] = qi[b]^T
+        wv = tl.load(w_ptr + b.to(tl.int64) * stride_wb + offs_h, mask=h_ok, other=0.0).to(tl.float32)   # [HB]
+        # bf16 parts of q: q1 + q2 + q3 == q to ~2^-24 (each part rounds the remainder); unused ones are dead
+        q1 = q.to(tl.bfloat16)
+        r = q - q1.to(tl.float32)
+        q2 = r.to(tl.bfloat16)
+        q3 = (r - q2.to(tl.float32)).to(tl.bfloat16)
+        for i in tl.static_range(TILES):                                       # unrolled: loads issue together
+            offs_n = base + i * BLOCK_N + tl.arange(0, BLOCK_N)                # [BN] positions
+            valid = offs_n < ctx
+            blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + offs_n // BS, mask=valid, other=0)
+            slot = blk.to(tl.int64) * BS + offs_n % BS                         # [BN] flat cache slots
+            kt = tl.load(k_ptr + slot[:, None] * stride_k + offs_d[None, :],
+                         mask=valid[:, None] & d_ok[None, :], other=0.0)       # [BN, DB]
+            if NSPLIT == 0:                                                    # fp32 keys: exact fp32 dot
+                acc = tl.dot(kt.to(tl.float32), q, input_precision="ieee")     # [BN, HB]
+            elif INTERP:                                                       # fp32 numpy dots of the parts
+                kf = kt.to(tl.float32)
+                acc = tl.dot(kf, q1.to(tl.float32))
+                if NSPLIT >= 2:
+                    acc += tl.dot(kf, q2.to(tl.float32))
+                if NSPLIT >= 3:
+                    acc += tl.dot(kf, q3.to(tl.float32))
+            else:                                                              # bf16 tensor-core dots
+                acc = tl.dot(kt, q1)
+                if NSPLIT >= 2:
+                    acc = tl.dot(kt, q2, acc)
+                if NSPLIT >= 3:
+                    acc = tl.dot(kt, q3, acc)
+            s = tl.maximum(acc * scale, 0.0)                                   # [BN, HB]
+            score = tl.sum(s * wv[None, :], axis=1)                            # [BN]
+            tl.store(o_row + offs_n, tl.where(valid, score, float("-inf")), mask=offs_n < KMAX)
+    else:                                                                      # program past the context
+        for i in tl.static_range(TILES):
+            offs_n = base + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(o_row + offs_n, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=offs_n < KMAX)
+
+
+@triton.jit
+def _topk_kernel(s_ptr, cl_ptr, o_ptr, KMAX, K, stride_s, stride_o, CHUNK: tl.constexpr):
+    """One program per row: the K best of scores[b, :n] (n = min(context_lens[b], KMAX)). n > K: an exact
+    radix select of the K-th largest order key (4 passes of 8-bit digits, each a 256-bin histogram of the
+    keys that match the digits fixed so far). Then one compaction pass writes, in position order, every
+    position above the K-th key plus the first ones equal to it (n <= K: every position), -inf scores
+    never; the rest of the K outputs is -1."""
+    b = tl.program_id(0)
+    row = s_ptr + b.to(tl.int64) * stride_s
+    orow = o_ptr + b.to(tl.int64) * stride_o
+    n = tl.minimum(tl.load(cl_ptr + b), KMAX)
+    offs0 = tl.arange(0, CHUNK)
+    if n <= K:
+        thr = n * 0 + NEG_INF_KEY                                              # take every finite score
+        kk = n * 0
+    else:
+        bins = tl.arange(0, 256)                                               # digit bins
+        prefix = n * 0                                                         # int32: digits fixed so far
+        kk = K + n * 0                                                         # rank wanted among the candidates
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p                                                 # constexpr
+            h = tl.zeros((256,), tl.int32)
+            for c in tl.range(0, tl.cdiv(n, CHUNK)):
+                offs = c * CHUNK + offs0
+                x = tl.load(row + offs, mask=offs < n, other=0.0)
+                u = _order_key(x) ^ -2147483648                                # unsigned order, int32 bits
+                cand = offs < n
+                if p > 0:
+                    cand = cand & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+                # non-candidates are counted in bin 0, then taken out of it
+                h += tl.histogram(tl.where(cand, (u >> shift) & 0xFF, 0), 256)
+                h -= tl.where(bins == 0, tl.sum((cand == 0).to(tl.int32), 0), 0)
+            ge = tl.sum(h, 0) - tl.cumsum(h, 0) + h                            # [256] candidates with digit >= d
+            d = tl.max(tl.where(ge >= kk, bins, -1), 0)                        # the K-th's digit
+            kk -= tl.sum(tl.where(bins > d, h, 0), 0)
+            prefix = prefix | (d << shift)
+        thr = prefix ^ -2147483648                                             # the K-th key (signed order)
+    taken = n * 0
+    eq_seen = n * 0
+    for c in tl.range(0, tl.cdiv(n, CHUNK)):
+        offs = c * CHUNK + offs0
+        inb = offs < n
+        x = tl.load(row + offs, mask=inb, other=float("-inf"))
+        key = _order_key(x)
+        eq = (inb & (key == thr)).to(tl.int32)
+        take = inb & (x != float("-inf")) & ((key > thr) | ((eq != 0) & (eq_seen + tl.cumsum(eq, 0) <= kk)))
+        t32 = take.to(tl.int32)
+        tl.store(orow + taken + tl.cumsum(t32, 0) - 1, offs, mask=take)
+        taken += tl.sum(t32, 0)
+        eq_seen += tl.sum(eq, 0)
+    for c in tl.range(0, tl.cdiv(K, CHUNK)):                                   # -1 after the picks
+        offs = c * CHUNK + offs0
+        tl.store(orow + offs, tl.full((CHUNK,), -1, tl.int32), mask=(offs >= taken) & (offs < K))
+
+
+@triton.jit
+def _order_key(x):
+    """fp32 -> int32 whose signed order is the float order (-inf lowest; NaN above +inf; -0.0 == +0.0)."""
+    i = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))
+    return i ^ ((i >> 31) & 0x7FFFFFFF)
+
+
+def _tiles(B: int, kmax: int) -> int:
+    """Tiles per program from the shapes: 4 once there are >= 2048 tiles (~16 per SM on an H200: fewer,
+    longer programs stream better: B=64 x 32k 2.3 -> 2.8 TB/s), else 1 (small grids need every program)."""
+    if TILES is not None:
+        return TILES
+    return 4 if B * triton.cdiv(kmax, BLOCK_N) >= 2048 else 1
+
+
+def _nsplit(qi: torch.Tensor, key_cache: torch.Tensor) -> int:
+    """bf16 parts per query (0: fp32 ieee dot)."""
+    if key_cache.dtype != torch.bfloat16:
+        return 0
+    return 1 if qi.dtype == torch.bfloat16 else FP32_QUERY_PARTS
+
+
+def indexer_decode_scores(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
+                          context_lens: torch.Tensor, block_size: int, kmax: int) -> torch.Tensor:
+    """qi [B, Hi, di] fp32 or bf16 (one query per sequence: decode), w [B, Hi] fp32, key_cache [S, di]
+    bf16/fp32 (rows may be strided, elements contiguous), block_table [B, nb] int32, context_lens [B]
+    int32 (>= 1), kmax: host int >= max(context_lens) (static: e.g. nb * block_size under CUDA graphs).
+    Returns scores [B, kmax] fp32: I[b, t] for t < context_lens[b], -inf past it."""
+    B, H, D = qi.shape
+    assert key_cache.shape[-1] == D and key_cache.stride(-1) == 1, "key_cache [S, di] with contiguous rows"
+    qi, w = qi.contiguous(), w.contiguous()
+    block_table, context_lens = block_table.contiguous(), context_lens.contiguous()
+    out = torch.empty(B, kmax, dtype=torch.float32, device=qi.device)          # [B, kmax]
+    if B == 0 or kmax == 0:
+        return out
+    HB = max(16, triton.next_power_of_2(H))                                    # tl.dot wants dims >= 16
+    DB = max(16, triton.next_power_of_2(D))
+    tiles = _tiles(B, kmax)
+    grid = (B, triton.cdiv(kmax, BLOCK_N * tiles))
+    _indexer_scores_kernel[grid](
+        qi, w, key_cache, block_table, context_lens, out,
+        qi.stride(0), qi.stride(1), w.stride(0), key_cache.stride(0), block_table.stride(0), out.stride(0),
+        D ** -0.5, kmax, H=H, D=D, HB=HB, DB=DB, BS=block_size, BLOCK_N=BLOCK_N, TILES=tiles,
+        NSPLIT=_nsplit(qi, key_cache), INTERP=INTERPRET, num_warps=NUM_WARPS)
+    return out
+
+
+def indexer_decode_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
+                        context_lens: torch.Tensor, block_size: int, topk: int, kmax: int) -> torch.Tensor:
+    """indices [B, min(topk, kmax)] int32: the positions of the best-scored keys of each sequence
+    (`select_topk` of `indexer_decode_scores`, in no particular order), -1 where fewer than topk
+    positions exist (the -inf picks)."""
+    scores = indexer_decode_scores(qi, w, key_cache, block_table, context_lens, block_size, kmax)   # [B, kmax]
+    return select_topk(scores, context_lens, min(topk, kmax))
+
+
+def select_topk(scores: torch.Tensor, context_lens: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [B, kmax] fp32 (-inf past each context) -> [B, k] int32 positions of the k best of each row
+    (TOPK_IMPL "triton": ascending positions, -1s last; "torch": torch.topk order), -1 for -inf picks."""
+    B, kmax = scores.shape
+    assert 0 < k <= kmax
+    if TOPK_IMPL == "torch":
+        vals, idx = scores.topk(k, dim=-1, sorted=False)                       # [B, k]
+        return idx.to(torch.int32).masked_fill_(vals == NEG_INF, -1)
+    out = torch.empty(B, k, dtype=torch.int32, device=scores.device)           # [B, k]
+    if B:
+        _topk_kernel[(B,)](scores, context_lens.contiguous(), out, kmax, k, scores.stride(0), out.stride(0),
+                           CHUNK=TOPK_CHUNK, num_warps=TOPK_WARPS)
+    return out
+
+
+def indexer_decode_reference(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
+                             context_lens: torch.Tensor, block_size: int, topk: int, *,
+                             kmax: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference (TEST-ONLY: loops over the B sequences and reads context_lens on the host).
+    Returns (indices [B, min(topk, kmax)] int32 sorted by descending score, -1 for the -inf picks;
+    scores [B, kmax] fp32, -inf past each context); kmax defaults to max(context_lens). The dots are
+    accumulated in fp64 and rounded to fp32 once, so the reference is the exact score to fp32 rounding
+    whatever the process's TF32 settings."""
+    B, H, D = qi.shape
+    lens = [int(n) for n in context_lens.tolist()]
+    kmax = max(lens) if kmax is None else kmax
+    dev = qi.device
+    scores = torch.full((B, kmax), NEG_INF, dtype=torch.float32, device=dev)   # [B, kmax]
+    for b, n in enumerate(lens):                                               # per sequence (test-only)
+        pos = torch.arange(n, device=dev)                                      # [n]
+        slots = block_table[b, pos // block_size].long() * block_size + pos % block_size
+        keys = key_cache[slots].double()                                       # [n, di]
+        s = (qi[b].double() @ keys.T).mul_(D ** -0.5).relu_()                  # [Hi, n]
+        scores[b, :n] = (w[b].double() @ s).float()                            # [n]
+    vals, idx = scores.topk(min(topk, kmax), dim=-1)                           # [B, k] sorted
+    return idx.to(torch.int32).masked_fill_(vals == NEG_INF, -1), scores

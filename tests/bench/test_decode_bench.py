@@ -1,0 +1,131 @@
+"""`python -m glm_ray.bench.decode` on CPU with the tiny model (rows, floor, and that the fake sequences
+really decode at the given context through the runner's diff protocol), and the floor's byte formula on
+glm5-flash-31b's config against a hand calculation."""
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+
+import pytest
+
+from glm_ray.bench import decode
+from glm_ray.config import ModelConfig
+from glm_ray.worker.model_runner import ModelRunner
+
+BS = 16                                        # default block size
+
+
+def test_main_decodes_at_the_given_context(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLM_RAY_CACHE", str(tmp_path / "cache"))
+    seen = []                                  # (SchedulerOutput, ModelRunnerOutput) of every runner call
+    orig = ModelRunner.execute
+
+    def spy(self, step):
+        out = orig(self, step)
+        seen.append((step, out))
+        return out
+    monkeypatch.setattr(ModelRunner, "execute", spy)
+    out_json = tmp_path / "rows.jsonl"
+    C, steps, warmup, prof = 40, 3, 3, 2
+    assert decode.main(["glm5-tiny", "--device", "cpu", "--batch", "1", "2", "--context", str(C), "--steps",
+                        str(steps), "--warmup", str(warmup), "--profile-steps", str(prof), "--mode", "eager",
+                        "--profile-top", "4", "--json", str(out_json)]) == 0
+
+    rows = [json.loads(line) for line in out_json.read_text().splitlines()]
+    assert [(r["batch"], r["context"], r["mode"], r["quant"]) for r in rows] == [(1, C, "eager", "fp8"),
+                                                                                (2, C, "eager", "fp8")]
+    n = warmup + steps + prof                  # decode steps each case ran
+    for r in rows:
+        assert r["floor_ms"] > 0 and r["step_ms"] > 0 and 0 < r["host_ms"] <= r["step_ms"] + 1e-9
+        assert math.isnan(r["device_ms"]) and r["device_src"] == "none"          # CPU: no device time
+        assert r["ratio_wall"] == pytest.approx(r["step_ms"] / r["floor_ms"])
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3)
+        assert 0 < len(r["top_ops"]) <= 4 and r["top_ops_time"] == "cpu"
+        assert r["final_pos"] == C - 1 + n
+
+    # every fake sequence: registered once with C prompt tokens and ceil(C/bs) blocks, then one token per
+    # step at positions C-1, C, ..., each the greedy token of the step before, blocks appended on time
+    per_req: dict[str, list] = {}
+    finished = set()
+    for so, out in seen:
+        finished.update(so.finished_req_ids)
+        new = {nr.req_id: nr for nr in so.new_requests}
+        for s in so.seqs:
+            per_req.setdefault(s.req_id, []).append((s, out, new.get(s.req_id)))
+    assert len(per_req) == 3 and finished == set(per_req)                       # B=1 + B=2, all finished
+    for rid, hist in per_req.items():
+        assert [s.start_pos for s, _, _ in hist] == list(range(C - 1, C - 1 + n))
+        s0, _, nr = hist[0]
+        assert nr is not None and len(nr.prompt_token_ids) == C and s0.token_ids == nr.prompt_token_ids[-1:]
+        assert s0.reset_blocks and len(s0.block_ids) == -(-C // BS)
+        assert all(nr2 is None and not s.reset_blocks for s, _, nr2 in hist[1:])
+        blocks = len(s0.block_ids)
+        for (s, _, _), (_, prev_out, _) in zip(hist[1:], hist[:-1]):
+            assert s.token_ids == [prev_out.sampled[rid]] and len(s.token_ids) == 1
+            blocks += len(s.block_ids)
+            assert blocks == s.start_pos // BS + 1                              # the block of this position
+        assert all(rid in out.sampled for _, out, _ in hist)
+
+
+def _flash_31b(quant: bool) -> ModelConfig:
+    hf = json.loads(resources.files("glm_ray.configs").joinpath("glm5-flash-31b.json").read_text())
+    if quant:
+        hf["quantization_config"] = dict(decode.FP8_QUANT_CONFIG)
+    return ModelConfig.from_hf(hf)             # bf16 (the config's dtype)
+
+
+def test_floor_bytes_flash_31b_by_hand():
+    """glm5-flash-31b, block FP8: D=2048, 32 heads, r=512, dr=64, dn=192, dv=256, q_lora 768, 47 layers
+    (1 dense MLP I=10240, 46 MoE: 64 experts top-4, I=1536, 1 shared), every layer a full indexer (32 x 128,
+    topk 2048), vocab 154880. FP8 linear [N, K] = N*K + ceil(N/128)*ceil(K/128)*4 (fp32 block scales)."""
+    w = decode.weight_bytes_from_config(_flash_31b(quant=True))
+    attn = (2 * 2048 * 2                              # input + post-attention RMSNorm, bf16
+            + 768 * 2048 + 6 * 16 * 4                 # q_a_proj      [768, 2048]
+            + 768 * 2                                 # q_a_layernorm
+            + 8192 * 768 + 64 * 6 * 4                 # q_b_proj      [32*256, 768]
+            + 576 * 2048 + 5 * 16 * 4                 # kv_a_proj     [512+64, 2048]
+            + 512 * 2                                 # kv_a_layernorm
+            + 32 * 192 * 512 * 2 + 32 * 512 * 256 * 2   # absorbed W_UK [32,192,512] + W_UV [32,512,256], bf16
+            + 2048 * 8192 + 16 * 64 * 4               # o_proj        [2048, 32*256]
+            + 128 * 2048 + 1 * 16 * 4                 # indexer wk    [128, 2048]
+            + 2 * 128 * 2)                            # indexer k_norm weight + bias
+    assert attn == 40_781_056
+    dense_mlp = (2 * 10240 * 2048 + 2 * 80 * 16 * 4) + (2048 * 10240 + 16 * 80 * 4)     # gate_up + down
+    expert = (2 * 1536 * 2048 + 2 * 12 * 16 * 4) + (2048 * 1536 + 16 * 12 * 4)           # = one shared expert
+    router = 64 * 2048 * 4 + 64 * 4                                                      # fp32 weight + bias
+    assert expert == 9_439_488
+    assert w.dense == 47 * attn + dense_mlp + 46 * (router + expert) + 2048 * 2 == 2_437_989_120
+    assert w.per_expert == expert and w.moe_layers == 46 and (w.num_experts, w.top_k) == (64, 4)
+    assert w.indexer_query == 47 * ((4096 * 768 + 32 * 6 * 4) + 32 * 2048 * 4) == 160_206_080   # wq_b + weights_proj
+    assert w.lm_head == 154880 * 2048 * 2 == 634_388_480
+
+    cfg = _flash_31b(quant=True)
+    # B=8, C=8192 > topk: the indexer scores (query weights read), attention reads topk=2048 latents per
+    # sequence and layer, the indexer all 8192 keys
+    distinct = 64 * (1 - (1 - 4 / 64) ** 8)                                             # 25.81 of 64 experts
+    f = decode.floor_bytes(w, cfg, 8, 8192)
+    assert f["kv"] == 47 * 8 * 2048 * 576 * 2 == 887_095_296
+    assert f["index_keys"] == 47 * 8 * 8192 * 128 * 2 == 788_529_152
+    assert f["weights"] == pytest.approx(2_437_989_120 + 46 * distinct * expert + 160_206_080 + 8 * 2048 * 2)
+    assert f["total"] == pytest.approx(f["weights"] + 634_388_480 + 887_095_296 + 788_529_152)
+    assert f["total"] / 4.2e12 * 1e3 == pytest.approx(3.837, abs=1e-3)                 # floor ms
+    # C=1024 <= topk: no scoring -> no index keys or query weights, every latent read
+    f = decode.floor_bytes(w, cfg, 8, 1024)
+    assert f["index_keys"] == 0 and f["kv"] == 47 * 8 * 1024 * 576 * 2
+    assert f["weights"] == pytest.approx(2_437_989_120 + 46 * distinct * expert + 8 * 2048 * 2)
+    # the expected distinct experts: top_k at B=1, all E as B grows
+    assert decode.expected_distinct_experts(64, 4, 1) == pytest.approx(4)
+    assert decode.expected_distinct_experts(64, 4, 4096) == pytest.approx(64)
+    # bf16: 2 bytes per weight, no scales
+    wb = decode.weight_bytes_from_config(_flash_31b(quant=False))
+    assert wb.per_expert == 3 * 1536 * 2048 * 2 and wb.lm_head == w.lm_head
+
+
+@pytest.mark.parametrize("quant", ["fp8", "bf16"])
+def test_config_bytes_match_the_built_model(tmp_path, monkeypatch, quant):
+    """The config formula counts what the model holds (tiny glm5, CPU: fp32 model dtype)."""
+    monkeypatch.setenv("GLM_RAY_CACHE", str(tmp_path / "cache"))
+    w = decode.build_worker(decode.model_dir_for("glm5-tiny", quant, tmp_path), device="cpu", dtype="auto",
+                            mode="eager", max_batch=1, max_context=16, steps_total=2)
+    assert decode.weight_bytes_from_config(w.model_cfg) == decode.weight_bytes_from_model(w.model, w.model_cfg)

@@ -1,0 +1,128 @@
+"""The Triton DSA lightning-indexer decode kernel (glm_ray/kernels/cuda/indexer.py) on the GPU at
+GLM-5 shapes (32 heads x 128, bf16 keys, top-2048) against `indexer_decode_reference` (skipped without
+CUDA).
+
+Tolerances:
+* scores: |kernel - reference| <= 1e-4 * max |reference score| of the row. The reference accumulates
+  in fp64 (exact up to one fp32 rounding); the kernel's bf16-split dots are the fp32 dot up to
+  summation order (~2^-24 per product, accumulated over di = 128 and 32 heads: ~1e-6 of the max), so
+  1e-4 leaves two orders of margin while still catching any TF32 (2^-11 per product) or bf16 slip.
+* selections: the kernel's top-k set may differ from the reference's only among near-ties — positions
+  whose reference score is within 1e-4 * max of the k-th best score — and only a few of them.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or getattr(torch.version, "hip", None) is not None,
+                                 reason="no NVIDIA GPU present")]
+
+from glm_ray.kernels.cuda import indexer as K  # noqa: E402
+from glm_ray.kernels.cuda.indexer import (  # noqa: E402
+    indexer_decode_reference,
+    indexer_decode_scores,
+    indexer_decode_topk,
+)
+
+DEV = "cuda"
+HI, DI, TOPK = 32, 128, 2048
+CONTEXTS = [1, 100, 2048, 2049, 8192, 32768]
+REL = 1e-4
+
+
+def _case(lens, block_size, *, spare_blocks=1, qi_dtype=torch.float32, key_dtype=torch.bfloat16, seed=0):
+    """Random decode batch; blocks scattered over the cache (permuted block ids), nb = blocks of the
+    longest context + spare_blocks, so kmax = nb * block_size > max(lens) as under CUDA graphs."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    B = len(lens)
+    nb = -(-max(lens) // block_size) + spare_blocks
+    key_cache = torch.randn(B * nb * block_size, DI, generator=g, device=DEV).to(key_dtype)
+    bt = torch.randperm(B * nb, generator=g, device=DEV).view(B, nb).to(torch.int32)     # [B, nb]
+    cl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    qi = torch.randn(B, HI, DI, generator=g, device=DEV).to(qi_dtype)
+    w = torch.randn(B, HI, generator=g, device=DEV) * HI ** -0.5
+    return qi, w, key_cache, bt, cl, nb * block_size
+
+
+def _check(qi, w, key_cache, bt, cl, kmax, block_size):
+    scores = indexer_decode_scores(qi, w, key_cache, bt, cl, block_size, kmax)
+    idx = indexer_decode_topk(qi, w, key_cache, bt, cl, block_size, TOPK, kmax)
+    ref_idx, ref = indexer_decode_reference(qi, w, key_cache, bt, cl, block_size, TOPK, kmax=kmax)
+    assert scores.shape == (len(cl), kmax) and idx.shape == (len(cl), min(TOPK, kmax)) and idx.dtype == torch.int32
+    fin = ref.isfinite()
+    assert torch.equal(scores.isfinite(), fin) and bool((scores[~fin] == float("-inf")).all())
+    scale = ref.masked_fill(~fin, 0).abs().amax(-1, keepdim=True).clamp_min(1e-30)      # [B, 1]
+    err = ((scores - ref).masked_fill(~fin, 0).abs() / scale).max().item()
+    assert err <= REL, f"score error {err:.2e} of the row max"
+    for b, n in enumerate(cl.tolist()):
+        got = set(idx[b][idx[b] >= 0].tolist())
+        want = set(ref_idx[b][ref_idx[b] >= 0].tolist())
+        assert len(got) == len(want) == min(TOPK, n)
+        assert int((idx[b] == -1).sum()) == min(TOPK, kmax) - min(TOPK, n)
+        diff = got ^ want
+        if diff:
+            kth = ref[b, ref_idx[b, min(TOPK, n) - 1]].item()
+            near = (ref[b, list(diff)] - kth).abs() <= REL * scale[b, 0]
+            assert bool(near.all()), f"seq {b}: non-tie selection differences {sorted(diff)[:8]}"
+            assert len(diff) <= 16, f"seq {b}: {len(diff)} near-tie differences"
+    return err
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_indexer_decode_matches_reference(B, block_size):
+    if B == 1:
+        for n in CONTEXTS:                                     # every context alone
+            _check(*_case([n], block_size, seed=n), block_size)
+    else:
+        lens = [CONTEXTS[i % len(CONTEXTS)] for i in range(B)]
+        lens = [lens[i] for i in torch.randperm(B, generator=torch.Generator().manual_seed(B)).tolist()]
+        _check(*_case(lens, block_size, seed=B), block_size)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_indexer_decode_topk_impls(monkeypatch, impl):
+    """Both top-k paths (the radix-select kernel and torch.topk) on a mixed batch."""
+    monkeypatch.setattr(K, "TOPK_IMPL", impl)
+    _check(*_case([2049, 1, 32768, 4096, 100, 2048, 2047, 10000], 64, seed=5), 64)
+
+
+@pytest.mark.parametrize("qi_dtype,key_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
+def test_indexer_decode_other_dtypes(qi_dtype, key_dtype):
+    """bf16 queries (one exact bf16 dot) and fp32 keys (the ieee fp32 dot)."""
+    _check(*_case([1, 100, 2049, 8192], 64, qi_dtype=qi_dtype, key_dtype=key_dtype), 64)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_indexer_decode_cuda_graph_replay_matches_eager(monkeypatch, impl):
+    monkeypatch.setattr(K, "TOPK_IMPL", impl)
+    block_size, nb, B = 64, 64, 8                              # capacity 4096 positions per sequence
+    qi, w, key_cache, bt, cl, kmax = _case([4096] * B, block_size, spare_blocks=0)
+    assert kmax == nb * block_size
+    cl.copy_(torch.tensor([1, 100, 2048, 2049, 4096, 3000, 7, 64], dtype=torch.int32))
+
+    def step():
+        return (indexer_decode_scores(qi, w, key_cache, bt, cl, block_size, kmax),
+                indexer_decode_topk(qi, w, key_cache, bt, cl, block_size, TOPK, kmax))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()                                                 # compile + warm the allocator
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_scores, out_idx = step()
+    g = torch.Generator(device=DEV).manual_seed(7)
+    for lens in ([4096, 1, 2049, 100, 3333, 2048, 17, 4000], [5, 4096, 4096, 1, 2500, 64, 65, 2047]):
+        cl.copy_(torch.tensor(lens, dtype=torch.int32))        # new values in the captured buffers
+        bt.copy_(torch.randperm(B * nb, generator=g, device=DEV).view(B, nb).to(torch.int32))
+        qi.copy_(torch.randn(qi.shape, generator=g, device=DEV))
+        graph.replay()
+        eager_scores, eager_idx = step()
+        assert torch.equal(out_scores, eager_scores)           # same kernel, same inputs: bitwise
+        for b in range(B):
+            assert set(out_idx[b].tolist()) == set(eager_idx[b].tolist())
+        _check(qi, w, key_cache, bt, cl, kmax, block_size)
