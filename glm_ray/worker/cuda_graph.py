@@ -28,6 +28,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from glm_ray.forward_batch import AttnGroup, ForwardBatch
@@ -89,6 +90,7 @@ class DecodeGraphs:
         pin = device.type == "cuda"
         self._h_rows = torch.zeros(5, n, dtype=i64, pin_memory=pin)         # ids, pos, slot, ctx, state
         self._h_bt = torch.zeros(n, max_blocks, dtype=i32, pin_memory=pin)
+        self._h_bt_np = self._h_bt.numpy()                                  # same memory
         self.graphs: dict[tuple[int, int], _Graph] = {}                    # (batch, capacity)
         self.pool = None
 
@@ -146,10 +148,10 @@ class DecodeGraphs:
         return (self._smallest(self.buckets, num_seqs) is not None
                 and self._smallest(self.capacities, max_context_len) is not None)
 
-    def run(self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]],
+    def run(self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[np.ndarray],
             state_slots: list[int]) -> torch.Tensor:
         """Stage one decode step of B = len(token_ids) sequences and replay its graph -> hidden [B, D]
-        (a view of the graph's output buffer: valid until the next replay)."""
+        (a view of the graph's output buffer: valid until the next replay). block_tables: int32 arrays."""
         B = len(token_ids)
         Bp = self._smallest(self.buckets, B)
         cap = self._smallest(self.capacities, max(positions) + 1)
@@ -161,20 +163,25 @@ class DecodeGraphs:
         return g.hidden[:B]
 
     def _stage(self, token_ids, positions, slots, block_tables, state_slots, Bp: int) -> None:
+        """Copy one step's values into the static buffers (pinned host staging, async H2D copies).
+        NOTE: the staging buffers are reused next step; the step's host sync on the sampled tokens
+        orders that after these copies."""
         B = len(token_ids)
         h = self._h_rows
         h[:, :B] = torch.tensor([token_ids, positions, slots, [p + 1 for p in positions], state_slots],
                                 dtype=torch.int64)
-        bt = self._h_bt
-        bt[:B].zero_()
+        # only the columns in use: entries past a sequence's blocks are never read (kernels stop at
+        # context_lens; the references mask past it)
+        w = max(len(t) for t in block_tables)
+        bt = self._h_bt_np
         for i, t in enumerate(block_tables):                                # per sequence, not per token
-            bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            bt[i, :len(t)] = t
         self.ids[:B].copy_(h[0, :B], non_blocking=True)
         self.positions[:B].copy_(h[1, :B], non_blocking=True)
         self.slot_mapping[:B].copy_(h[2, :B], non_blocking=True)
         self.context_lens[:B].copy_(h[3, :B], non_blocking=True)
         self.state_slots[:B].copy_(h[4, :B], non_blocking=True)
-        self.block_table[:B].copy_(bt[:B], non_blocking=True)
+        self.block_table[:B, :w].copy_(self._h_bt[:B, :w], non_blocking=True)
         self.state_fresh[:Bp].zero_()                                       # a decode never starts at 0
         if Bp > B:
             self._fill_padding(B, Bp)

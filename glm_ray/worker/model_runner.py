@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from glm_ray.config import EngineConfig, ModelConfig
@@ -37,6 +38,13 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    _block_arr: np.ndarray | None = None          # int32 copy of block_ids for the graph staging
+
+    def block_array(self) -> np.ndarray:
+        """The block table as int32 numpy (rebuilt only after the table changed: once per block)."""
+        if self._block_arr is None:
+            self._block_arr = np.asarray(self.block_ids, dtype=np.int32)
+        return self._block_arr
 
 
 class ModelRunner:
@@ -90,7 +98,12 @@ class ModelRunner:
             self.requests[nr.req_id] = ReqState(nr.params, nr.prompt_token_ids, generator=gen)
         for s in step.seqs:
             st = self.requests[s.req_id]
-            st.block_ids = list(s.block_ids) if s.reset_blocks else st.block_ids + s.block_ids
+            if s.reset_blocks:
+                st.block_ids = list(s.block_ids)
+            else:
+                st.block_ids.extend(s.block_ids)
+            if s.reset_blocks or s.block_ids:
+                st._block_arr = None
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -148,7 +161,8 @@ class ModelRunner:
         bs = self.block_size
         pos = [s.start_pos for s in seqs]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]         # per sequence
-        return self.graphs.run(flat, pos, slots, tables, [s.state_slot for s in seqs])
+        arrays = [self.requests[s.req_id].block_array() for s in seqs]
+        return self.graphs.run(flat, pos, slots, arrays, [s.state_slot for s in seqs])
 
     def _sample(self, out: ModelRunnerOutput, req_ids: list[str], logits: torch.Tensor) -> None:
         """Sample every row at once; if that raises, row by row, failing only the rows that raise."""
