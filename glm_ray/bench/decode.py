@@ -43,6 +43,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from glm_ray import kernels
 from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.config import ModelConfig, make_engine_config
 from glm_ray.engine.contract import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
@@ -59,7 +60,7 @@ HBM_BYTES_PER_S = 4.2e12            # H200: achievable HBM read bandwidth (4.8e1
 FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": [128, 128]}
 ROW_COLS = ["model", "quant", "mode", "batch", "context", "step_ms", "host_ms", "device_ms", "floor_ms",
-            "ratio_wall", "ratio_device", "tokens_per_s"]
+            "ratio_wall", "ratio_device", "tokens_per_s", "graph_steps"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -392,6 +393,7 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
     try:
         for _ in range(max(1, warmup)):                           # the first step registers the requests
             case.step()
+        g0 = worker.runner.num_graph_steps
         with probe.installed():
             for _ in range(steps):
                 so = case.next_step()
@@ -403,6 +405,7 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
                 waits.append(probe.take())
                 case.advance(out)
             host_src = "wall-minus-sync" if (probe.active or not cuda) else "thread-cpu"
+        graph_steps = worker.runner.num_graph_steps - g0                # timed steps that replayed a graph
         device_ms, ops, dev_src = float("nan"), [], "none"
         if profile_steps and (cuda or profile_top):
             device_ms, ops, dev_src = _profile(case, profile_steps, cuda, profile_top)
@@ -424,7 +427,15 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
             "floor_gb": fb["total"] / 1e9, "floor_weights_gb": (fb["weights"] + fb["lm_head"]) / 1e9,
             "floor_kv_gb": (fb["kv"] + fb["index_keys"]) / 1e9, "host_src": host_src, "device_src": dev_src,
             "top_ops_time": "device" if cuda else "cpu", "top_ops": ops,
-            "final_pos": case.pos, "device": str(worker.device)}
+            "final_pos": case.pos, "device": str(worker.device), "graph_steps": graph_steps,
+            "fallbacks": _fallbacks()}
+
+
+def _fallbacks() -> dict[str, int]:
+    """The kernel backend's reference fallbacks so far ("op: reason" -> calls): a row whose decode
+    kernels fell back measures the reference, and says so."""
+    counter = getattr(getattr(kernels.ops().block_fp8_linear, "__self__", None), "fallbacks", None)
+    return {f"{op}: {why}": n for (op, why), n in (counter or {}).items()}
 
 
 def print_ops(row: dict) -> None:
