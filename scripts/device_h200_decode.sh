@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# H200 decode pass (issue #18): the GPU tests of the decode path, then the committed decode benchmark
+# (glm5-flash-31b block-FP8 dummy, TP1, eager vs graphs, batch 1/8/32/64 x context 1k/8k, and glm5-slice-6l).
+# One device call (<= 600 s): PART=tests | flash | slice | all (default all; tests first, benches bounded).
+set -uo pipefail
+source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; PART=${PART:-all}
+if [ $PART = all ] || [ $PART = tests ]; then
+  echo "== gpu tests (decode path)" >> $S
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_mla_decode.py \
+     tests/gpu/test_cuda_indexer.py tests/gpu/test_cuda_routing.py tests/gpu/test_gpu_engine.py 2>&1 \
+     | grep -E "passed|failed|Error|assert" | head -20 >> $S
+fi
+if [ $PART = all ] || [ $PART = flash ]; then
+  echo "== bench.decode glm5-flash-31b fp8" >> $S
+  timeout ${FLASH_LIM:-300} python3 -m glm_ray.bench.decode glm5-flash-31b --quant fp8 --device cuda --batch 1 8 32 64 \
+     --context 1024 8192 --steps 10 --profile-steps 3 --profile-top 12 --mode ${MODES:-graph eager} \
+     --json $OUT/decode_flash31b.jsonl > $OUT/decode_flash31b.log 2>&1; echo "rc=$?" >> $S
+  grep -vE "INFO|WARNING|shards" $OUT/decode_flash31b.log | tail -60 >> $S
+fi
+if [ $PART = all ] || [ $PART = slice ]; then
+  echo "== bench.decode glm5-slice-6l fp8" >> $S
+  timeout ${SLICE_LIM:-150} python3 -m glm_ray.bench.decode glm5-slice-6l --quant fp8 --device cuda --batch 1 8 32 64 \
+     --context 1024 8192 --steps 10 --profile-steps 3 --profile-top 8 --mode graph eager \
+     --json $OUT/decode_slice6l.jsonl > $OUT/decode_slice6l.log 2>&1; echo "rc=$?" >> $S
+  grep -vE "INFO|WARNING|shards" $OUT/decode_slice6l.log | tail -40 >> $S
+fi
+cat $S
