@@ -35,6 +35,13 @@ def _positive_int(raw: str) -> int:
     return v
 
 
+def _nonneg_int(raw: str) -> int:
+    v = int(raw)
+    if v < 0:
+        raise ValueError("expected an integer >= 0")
+    return v
+
+
 def _names(raw: str) -> frozenset[str]:
     return frozenset(n.strip() for n in raw.split(",") if n.strip())
 
@@ -92,6 +99,14 @@ TORCH_OPS: EnvVar[frozenset[str]] = EnvVar(
 CUDA_FP8_GEMM: EnvVar[str] = EnvVar(
     "GLM_RAY_CUDA_FP8_GEMM", _choice("scaled_mm", "triton"), "scaled_mm", "cuda backend: block-FP8 "
     "GEMM implementation")
+CUDA_FP8_SMALL_M: EnvVar[int] = EnvVar(
+    "GLM_RAY_CUDA_FP8_SMALL_M", _nonneg_int, 0, "cuda backend: block-FP8 linears of at most this many rows run "
+    "the one-launch Triton kernel with the activation quant fused (kernels/cuda/fp8_small_m.py); 0 = off "
+    "(act quant + `_scaled_mm`) until the H200 A/B sets the crossover", "int")
+CUDA_MOE_DECODE_PAIRS: EnvVar[int] = EnvVar(
+    "GLM_RAY_CUDA_MOE_DECODE_PAIRS", _nonneg_int, 0, "cuda backend: MoE calls of at most this many (token, "
+    "expert) pairs run the sort-free two-launch decode kernel (kernels/cuda/moe_decode.py); 0 = off (the "
+    "grouped kernels) until the H200 A/B sets the crossover", "int")
 FAULT_INJECTION: EnvVar[str] = EnvVar(
     "GLM_RAY_FAULT_INJECTION", str, "", "reliability tests only: `KIND@TOKEN_ID,...` (KIND: exception, "
     "oom or sample) makes steps holding TOKEN_ID fail (worker/faults.py)", "spec")
@@ -100,7 +115,8 @@ LOG_LEVEL: EnvVar[str] = EnvVar(
     "command")
 
 ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_THREADS, ORCHESTRATION,
-                           TIME_COLLECTIVES, TORCH_OPS, CUDA_FP8_GEMM, FAULT_INJECTION, LOG_LEVEL)
+                           TIME_COLLECTIVES, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
+                           CUDA_MOE_DECODE_PAIRS, FAULT_INJECTION, LOG_LEVEL)
 
 
 # Not forwarded to the rank actors: they do not use it, and Ray records an actor's runtime_env in its logs.

@@ -7,6 +7,13 @@ Dense projections (glm5-slice-6l q_b_proj 16384x2048 and o_proj 6144x16384) at M
   fp8_gemm  torch._scaled_mm alone on pre-quantized operands (the GEMM's share)
   fp8_triton  the Triton block-FP8 GEMM (GLM_RAY_CUDA_FP8_GEMM=triton) at a few M
 Fused MoE (glm5-flash-31b experts: 64 x (2048 <-> 1536), top-4) at a few token counts: bf16 / fp8 / mxfp4.
+Small-M block-FP8 (`--small-m`, replaces the tables above): every dense projection of glm5-flash-31b and
+glm5-slice-6l at M = 1..64 (decode), three variants, each timed as ONE CUDA-graph replay (what a decode
+step pays: no host launch cost, the in-graph gaps between launches included), L2 flushed before each:
+  fused    fp8_small_m.block_fp8_linear_small_m (activation quant fused into the GEMM, + split-K sum)
+  backend  the backend's block_fp8_linear on the prepared weight: act_quant_fp8 + torch._scaled_mm
+  triton   act_quant_fp8 + the Triton block-FP8 GEMM (dense_gemm_triton), as GLM_RAY_CUDA_FP8_GEMM=triton
+  TB/s there = weight bytes (e4m3 + fp32 block scales) / time, with the ratio to the 4.2 TB/s copy ceiling.
 
 Printed per row: time (us, median of triton.testing.do_bench with an L2 flush between runs),
 achieved TFLOP/s and TB/s, and their ratio to the measured H200 ceilings (perf_anchors.md §3.1:
@@ -14,7 +21,7 @@ achieved TFLOP/s and TB/s, and their ratio to the measured H200 ceilings (perf_a
 traffic: weights once (MoE: only the experts the routing touches) + activations in + outputs out.
 Writes every row as JSON to --out.
 
-  PYTHONPATH=$PWD python3 scripts/bench_kernels.py --out /tmp/kernels.json [--quick]
+  PYTHONPATH=$PWD python3 scripts/bench_kernels.py --out /tmp/kernels.json [--quick] [--small-m]
 """
 from __future__ import annotations
 
@@ -36,6 +43,18 @@ DENSE = [("slice.q_b_proj", 16384, 2048), ("slice.o_proj", 6144, 16384)]
 MS = [256, 512, 1024, 2048, 4096, 8192, 16384]
 MOE_GEO = dict(d=2048, i=1536, e=64, k=4)           # glm5-flash-31b routed experts
 MOE_TS = [1, 2048, 8192]                            # tile configs shared with the GPU tests
+SMALL_MS = [1, 2, 4, 8, 16, 32, 64]
+# (name, N, K): the block-FP8 dense projections a decode step runs (MLA, indexer, shared expert, dense MLP)
+SMALL_M_SHAPES = [
+    ("flash.q_a_proj", 768, 2048), ("flash.kv_a_proj", 576, 2048), ("flash.q_b_proj", 8192, 768),
+    ("flash.o_proj", 2048, 8192), ("flash.idx.wq_b", 4096, 768), ("flash.idx.wk", 128, 2048),
+    ("flash.sh.gate_up", 3072, 2048), ("flash.sh.down", 2048, 1536),
+    ("flash.mlp.gate_up", 20480, 2048), ("flash.mlp.down", 2048, 10240),
+    ("slice.q_a_proj", 2048, 6144), ("slice.kv_a_proj", 576, 6144), ("slice.q_b_proj", 16384, 2048),
+    ("slice.o_proj", 6144, 16384), ("slice.idx.wq_b", 4096, 2048), ("slice.idx.wk", 128, 6144),
+    ("slice.sh.gate_up", 4096, 6144), ("slice.sh.down", 6144, 2048),
+    ("slice.mlp.gate_up", 24576, 6144), ("slice.mlp.down", 6144, 12288),
+]
 
 
 def bench_ms(fn) -> float:
@@ -118,11 +137,58 @@ def bench_moe(ck, ts, rows, fmts):
         torch.cuda.empty_cache()
 
 
+def bench_graph_ms(fn) -> float:
+    """Median device time of one CUDA-graph replay of fn (warmed up and compiled outside the capture)."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return bench_ms(g.replay)
+
+
+def bench_small_m(ck, ms, rows):
+    """The decode-size block-FP8 table: fused small-M kernel vs the backend path vs the Triton GEMM path."""
+    from glm_ray.kernels.cuda import fp8_small_m
+    from tests.kernels.cases import dense_fp8_case
+    tk = ck.tk
+    for name, n, k in SMALL_M_SHAPES:
+        _, w, s = dense_fp8_case(1, n, k, device=DEV)
+        wv, sv, meta = ck.block_fp8_linear_prepare(w, s, (128, 128))
+        wbytes = n * k + 4 * s.numel()
+        for m in ms:
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            cfg = fp8_small_m.small_m_config(m, n, k, num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+
+            def triton_path():
+                xq, xs = tk.act_quant_fp8(x)
+                return tk.dense_gemm_triton(xq, wv, w_mode="fp8", a_scale=xs, w_scale=sv, out_dtype=x.dtype,
+                                            n=n, k=k)
+            variants = {"fused": lambda: fp8_small_m.block_fp8_linear_small_m(x, wv, sv),
+                        "backend": lambda: ck.block_fp8_linear(x, wv, sv, **meta),
+                        "triton": triton_path}
+            got = {}
+            for v, fn in variants.items():
+                got[v] = bench_graph_ms(fn)
+                rows.append(row("smallm", name, v, m, got[v], 2.0 * m * n * k, wbytes, CEIL["fp8_tflops"],
+                                n=n, k=k, **({"split": cfg.split, "block_n": cfg.block_n} if v == "fused" else {})))
+            print(f"{'':5s} {name:16s} M={m:<3d} fused split={cfg.split}: x{got['backend'] / got['fused']:.2f} vs "
+                  f"backend, x{got['triton'] / got['fused']:.2f} vs triton", flush=True)
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--quick", action="store_true", help="fewer points (M 256/2048/16384, MoE T 1/2048)")
     ap.add_argument("--no-moe", action="store_true")
+    ap.add_argument("--small-m", action="store_true",
+                    help="only the decode-size block-FP8 table (M 1..64; --quick: M 1/8/64) instead of the above")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device", file=sys.stderr)
@@ -142,9 +208,15 @@ def main(argv=None) -> int:
     print(json.dumps(info), flush=True)
     rows: list[dict] = []
     t0 = time.time()
-    bench_dense(ck, ms, rows, triton_ms={256, 4096} if ck.tk is not None else set())
-    if not a.no_moe and ck.tk is not None:
-        bench_moe(ck, ts, rows, ["bf16", "fp8", "mxfp4"])
+    if a.small_m:
+        if ck.tk is None:
+            print(f"bench_kernels --small-m: {ck.triton_error}", file=sys.stderr)
+            return 2
+        bench_small_m(ck, [1, 8, 64] if a.quick else SMALL_MS, rows)
+    else:
+        bench_dense(ck, ms, rows, triton_ms={256, 4096} if ck.tk is not None else set())
+        if not a.no_moe and ck.tk is not None:
+            bench_moe(ck, ts, rows, ["bf16", "fp8", "mxfp4"])
     info["fallbacks"] = {f"{k[0]}: {k[1]}": v for k, v in ck.fallbacks.items()}
     info["selfcheck"] = {str(k): v for k, v in ck._selfcheck.items()}
     info["wall_s"] = round(time.time() - t0, 1)

@@ -8,6 +8,12 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No GPU: every Triton kernel a test builds runs interpreted. Set before anything imports triton (the
+# interpreter must be on when triton is imported); test modules imported later cannot do it reliably.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _write_variant(root, name: str, **overrides) -> str:

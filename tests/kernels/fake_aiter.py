@@ -1,13 +1,18 @@
 """A fake `aiter` package for CPU contract tests of the aiter backend (glm_ray/kernels/aiter).
 
 It implements the signatures of aiter's real Python API (gemm_a8w8_blockscale_bpreshuffle, the e8m0
-shuffle, fused_moe)
+shuffle, fused_moe, aiter.mla.mla_decode_fwd, biased_grouped_topk — as at ROCm/aiter e4048607)
 and, like a faithful kernel, *interprets* what it is handed: weights are un-shuffled with the
 documented permutation (written here independently of glm_ray's own layout helpers), scales are
 un-shuffled / read in the documented layout, the MoE contract fields (`gate_mode`, `swiglu_limit`,
 `hidden_pad`, `intermediate_pad`, `quant_type`, `activation`) change the math exactly as aiter's do,
 and then the torch references compute the result. A wrong argument order, layout or field therefore
 gives a wrong answer or an assertion here, not a silent pass. Every call is appended to `CALLS`.
+
+`mla_decode_fwd` walks the page table it is given (kv_indptr / kv_indices / kv_last_page_lens over the
+4-D kv_buffer [num_pages, page_size, nhead_kv, D]), asserting the dtypes (every index tensor int32) and
+shapes of the real binding, and writes `o` in place; `biased_grouped_topk` emits its picks in ascending
+expert-id order (the real opt-sort / fused-gate kernels promise no score order).
 
 Numerics follow aiter HEAD: per_1x128 activations with fp32 scales (amax/448), MXFP4 activations
 with RoundUp E8M0 scales (aiter#3212), the stage-2 input re-quantized, routing weights in stage 2.
@@ -212,6 +217,104 @@ def fused_moe(hidden_states, w1, w2, topk_weight, topk_ids, expert_mask=None, ac
     return out.to(out_dtype)
 
 
+# ---- MLA decode (aiter/mla.py) --------------------------------------------------------------------------
+
+MLA_BF16_HEADS = {8, 16, 32, 64, 128}       # hsa/gfx950/mla/mla_asm.csv: bf16/bf16 non-persistent, qSeqLen 1
+
+
+def _check_index(name, t, n=None):
+    assert t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}"
+    assert t.dim() == 1 and t.is_contiguous(), f"{name} must be 1-D contiguous, got {tuple(t.shape)}"
+    assert n is None or t.numel() == n, f"{name} has {t.numel()} entries, expected {n}"
+
+
+def mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q, page_size=1,
+                   nhead_kv=1, sm_scale=None, logit_cap=0.0, num_kv_splits=None, num_kv_splits_indptr=None,
+                   work_meta_data=None, work_indptr=None, work_info_set=None, reduce_indptr=None,
+                   reduce_final_map=None, reduce_partial_map=None, q_scale=None, kv_scale=None,
+                   intra_batch_mode=False, return_logits=False, return_lse=False, g_kv_indptr=None, cp_world_size=1,
+                   cp_rank=0, causal=True):
+    CALLS.append(("mla_decode_fwd", (q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens),
+                  {"max_seqlen_q": max_seqlen_q, "page_size": page_size, "nhead_kv": nhead_kv, "sm_scale": sm_scale,
+                   "work_meta_data": work_meta_data, "q_scale": q_scale, "kv_scale": kv_scale}))
+    assert logit_cap <= 0, f"{logit_cap=} is not support yet"
+    assert work_meta_data is None and num_kv_splits is None, "non-persistent path only"
+    assert isinstance(max_seqlen_q, int) and max_seqlen_q >= 1, max_seqlen_q
+    # Q [total_s, H, D] contiguous; KV [num_page, page_size, nhead_kv, D]; o [total_s, H, Lv]
+    assert q.dim() == 3 and q.is_contiguous(), "only support Q.is_contiguous()"
+    assert kv_buffer.dim() == 4, f"kv_buffer must be [num_page, page_size, nhead_kv, D], got {tuple(kv_buffer.shape)}"
+    num_page, ps, nkv, D = kv_buffer.shape
+    assert ps == page_size and page_size & (page_size - 1) == 0, (ps, page_size)
+    assert nkv == nhead_kv == 1, "only support num_kv_heads==1"
+    total_s, H, qd = q.shape
+    assert qd == D, "only support head_size == KV.size(3)"
+    assert q.dtype == torch.bfloat16 and kv_buffer.dtype == torch.bfloat16, (q.dtype, kv_buffer.dtype)
+    assert H in MLA_BF16_HEADS, f"no bf16 decode kernel for {H} heads"
+    assert o.dim() == 3 and o.shape[:2] == (total_s, H) and o.shape[2] < D and o.dtype == torch.bfloat16, \
+        (tuple(o.shape), o.dtype)
+    bs = qo_indptr.numel() - 1
+    _check_index("qo_indptr", qo_indptr)
+    _check_index("kv_indptr", kv_indptr, bs + 1)
+    _check_index("kv_indices", kv_indices)
+    _check_index("kv_last_page_lens", kv_last_page_lens, bs)
+    qo, kvp, pages, last = qo_indptr.tolist(), kv_indptr.tolist(), kv_indices.tolist(), kv_last_page_lens.tolist()
+    assert qo[0] == 0 and qo[-1] == total_s and kvp[0] == 0 and kvp[-1] <= len(pages), (qo, kvp, len(pages))
+    scale = sm_scale if sm_scale is not None else D ** -0.5
+    Lv = o.shape[2]
+    tokens = kv_buffer.reshape(num_page * page_size, D).float()             # [num_page*page_size, D]
+    for b in range(bs):                                                     # per sequence (a test double)
+        nq = qo[b + 1] - qo[b]
+        assert 1 <= nq <= max_seqlen_q and kvp[b + 1] > kvp[b], (b, nq, kvp)
+        pg = torch.tensor(pages[kvp[b]:kvp[b + 1]], dtype=torch.long)
+        assert int(pg.min()) >= 0 and int(pg.max()) < num_page, "page index out of range"
+        n = len(pg) if page_size == 1 else (len(pg) - 1) * page_size + last[b]
+        rows = (pg[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
+        k = tokens[rows]                                                    # [n, D]
+        s = torch.einsum("qhd,kd->qhk", q[qo[b]:qo[b + 1]].float(), k) * scale
+        if causal and nq > 1:
+            qpos = n - nq + torch.arange(nq)
+            s = s.masked_fill(torch.arange(n)[None, None, :] > qpos[:, None, None], float("-inf"))
+        o[qo[b]:qo[b + 1]] = torch.einsum("qhk,kd->qhd", s.softmax(-1), k[:, :Lv]).to(o.dtype)
+    return o.view(total_s, 1, H, Lv), None
+
+
+# ---- MoE routing (aiter/ops/topk.py) --------------------------------------------------------------------
+
+def biased_grouped_topk(gating_output, correction_bias, topk_weights, topk_ids, num_expert_group, topk_group,
+                        need_renorm, routed_scaling_factor=1.0):
+    CALLS.append(("biased_grouped_topk", (gating_output, correction_bias, topk_weights, topk_ids),
+                  {"num_expert_group": num_expert_group, "topk_group": topk_group, "need_renorm": need_renorm,
+                   "routed_scaling_factor": routed_scaling_factor}))
+    T, E = gating_output.shape
+    K = topk_ids.shape[1]
+    assert gating_output.stride(1) == 1, "gating_output last dimension must be contiguous"
+    assert gating_output.dtype in (torch.float32, torch.bfloat16, torch.float16), gating_output.dtype
+    # the HIP kernel reads correction_bias through a pointer of the gating dtype
+    assert correction_bias.dtype == gating_output.dtype and tuple(correction_bias.shape) == (E,), \
+        (correction_bias.dtype, tuple(correction_bias.shape))
+    assert correction_bias.is_contiguous()
+    assert topk_weights.dtype == torch.float32 and topk_ids.dtype == torch.int32, (topk_weights.dtype, topk_ids.dtype)
+    assert tuple(topk_weights.shape) == (T, K) and tuple(topk_ids.shape) == (T, K)
+    assert num_expert_group in (1, 2, 4, 8), f"Unsupported num_expert_group: {num_expert_group}"
+    assert 1 <= topk_group <= num_expert_group, "topk_grp must be in [1, num_expert_group]"
+    assert E % num_expert_group == 0 and K <= 64, (E, num_expert_group, K)
+    if E // num_expert_group <= 32 and T > 256 * 212:
+        assert need_renorm, "Renormalization is required for moe_fused_gate."
+    sig = gating_output.float().sigmoid()                                    # [T, E]
+    biased = sig + correction_bias.float()
+    if num_expert_group > 1:
+        per = biased.view(T, num_expert_group, -1)
+        top2 = per.sort(dim=-1, descending=True).values[..., :2].sum(-1)   # [T, G]
+        best = top2.argsort(dim=-1, descending=True)[:, :topk_group]
+        keep = torch.zeros(T, num_expert_group, dtype=torch.bool).scatter(1, best, True)
+        biased = per.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+    picked = biased.argsort(dim=-1, descending=True)[:, :K].sort(dim=-1).values   # ascending expert id
+    w = sig.gather(1, picked)
+    w = w * (routed_scaling_factor / w.sum(-1, keepdim=True)) if need_renorm else w * routed_scaling_factor
+    topk_weights.copy_(w)
+    topk_ids.copy_(picked.to(torch.int32))
+
+
 # ---- install ------------------------------------------------------------------------------------------
 
 def build_modules() -> dict[str, types.ModuleType]:
@@ -223,6 +326,10 @@ def build_modules() -> dict[str, types.ModuleType]:
     root.get_hip_quant = get_hip_quant
     root.gemm_a8w8_blockscale = gemm_a8w8_blockscale
     root.gemm_a8w8_blockscale_bpreshuffle = gemm_a8w8_blockscale_bpreshuffle
+    root.biased_grouped_topk = biased_grouped_topk
+    mla = types.ModuleType("aiter.mla")
+    mla.mla_decode_fwd = mla_decode_fwd
+    root.mla = mla
     fm = types.ModuleType("aiter.fused_moe")
     fm.fused_moe = fused_moe
     ops = types.ModuleType("aiter.ops")
@@ -236,7 +343,7 @@ def build_modules() -> dict[str, types.ModuleType]:
     root.fused_moe = fm
     root.ops, ops.shuffle = ops, shuffle
     root.utility, util.fp4_utils = util, fp4u
-    return {"aiter": root, "aiter.fused_moe": fm, "aiter.ops": ops, "aiter.ops.shuffle": shuffle,
+    return {"aiter": root, "aiter.mla": mla, "aiter.fused_moe": fm, "aiter.ops": ops, "aiter.ops.shuffle": shuffle,
             "aiter.utility": util, "aiter.utility.fp4_utils": fp4u}
 
 

@@ -3,7 +3,10 @@ the documented signatures: it un-shuffles what it is given with the documented p
 torch references with the contract it was handed. Checked: lazy import, argument order, tensor layouts
 (bpreshuffled weights, column-major x_scale, e8m0-shuffled scales, fp4x2 / e8m0 views), every forwarded
 MoE field (quant_type, activation, gate_mode, swiglu_limit, hidden_pad, intermediate_pad, is_shuffled,
-topk dtypes) and that the numbers equal the torch backend's."""
+topk dtypes) and that the numbers equal the torch backend's. MLA decode: the page-size-1 page table
+(int32 kv_indptr / kv_indices over the 4-D kv_buffer view, dense and DSA top-k with -1 padding, zero-padded
+heads) against the torch reference; routing: biased_grouped_topk's in-place outputs, re-sorted by score,
+against the reference; and the fallbacks that never reach aiter."""
 from __future__ import annotations
 
 import sys
@@ -225,3 +228,178 @@ def test_fake_layouts_are_inverses():
     assert torch.equal(fake_aiter.shuffle_weight(w), ref_shuffle(w))          # matches glm_ray's own reference
     s = torch.randint(0, 256, (512, 16), generator=g, dtype=torch.int32).to(torch.uint8)
     assert torch.equal(fake_aiter._e8m0_unshuffle(fake_aiter.e8m0_shuffle(s)), s)
+
+
+# ---------------------------------------------------------------------------------------- MLA decode
+
+R, DR, MLA_BS = 512, 64, 4                                # aiter's kernels: latent 512 + rope 64; block size 4
+CTX = [5, 12, 1, 9]                                       # decode contexts (one group), block_size 4
+
+
+def _decode_group(context_lens, seed=0):
+    """One decode step over shuffled (non-contiguous) block tables -> (group, num_slots)."""
+    from glm_ray.forward_batch import build_forward_batch
+    g = torch.Generator().manual_seed(seed)
+    nb = [-(-c // MLA_BS) for c in context_lens]
+    perm = torch.randperm(sum(nb) + 3, generator=g).tolist()
+    tables, i = [], 0
+    for n in nb:
+        tables.append(perm[i:i + n])
+        i += n
+    batch = build_forward_batch([1] * len(context_lens), context_lens, tables, MLA_BS, torch.device("cpu"))
+    (group,) = batch.groups
+    assert group.mla_mode == "absorbed" and group.q_index.shape[1] == 1
+    return group, len(perm) * MLA_BS
+
+
+def _mla_decode_inputs(h, context_lens=CTX, seed=0):
+    group, S = _decode_group(context_lens, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(context_lens), h, R + DR, generator=g).to(BF16)
+    cache = torch.randn(S, R + DR, generator=g).to(BF16)
+    return q, cache, group
+
+
+def _topk_positions(group, k, seed=0):
+    """int32 [B, 1, k]: a random subset of each context's positions, -1 padded (at the end, and one
+    row with -1 in the middle)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for c in group.context_lens.tolist():
+        p = torch.randperm(c, generator=g)[:k].tolist()
+        rows.append(p + [-1] * (k - len(p)))
+    rows[0] = [rows[0][0], -1] + rows[0][1:-1]                 # a hole: -1 need not be a suffix
+    return torch.tensor(rows, dtype=torch.int32)[:, None, :]
+
+
+def _ref_mla_decode(q, cache, group, sel, scale):
+    from glm_ray.kernels.torch_ref.attention import mla_decode
+    return mla_decode(q, cache, group, sel, kv_lora_rank=R, scale=scale)
+
+
+@pytest.mark.parametrize("h", [16, 20])                   # 20: zero-padded to aiter's 32-head kernel
+@pytest.mark.parametrize("sparse", [False, True])
+def test_mla_decode_matches_reference(aiter_backend, h, sparse):
+    ops = aiter_backend
+    q, cache, group = _mla_decode_inputs(h)
+    sel = _topk_positions(group, 6) if sparse else None
+    scale = 192 ** -0.5
+    out = ops.mla_decode(q, cache, group, sel, kv_lora_rank=R, scale=scale)
+    (_, (qk, kv, o, qo_indptr, kv_indptr, kv_indices, last), kw), = _calls("mla_decode_fwd")
+    B = len(CTX)
+    hp = 16 if h == 16 else 32
+    assert qk.shape == (B, hp, R + DR) and o.shape == (B, hp, R) and kv.shape == (cache.shape[0], 1, 1, R + DR)
+    assert kv.data_ptr() == cache.data_ptr() and kw["max_seqlen_q"] == 1 and kw["sm_scale"] == scale
+    assert qo_indptr.tolist() == list(range(B + 1)) and last.tolist() == [1] * B
+    counts = group.context_lens.tolist() if not sparse else [int((r >= 0).sum()) for r in sel[:, 0]]
+    assert kv_indptr.diff().tolist() == counts                  # page size 1: one index per attended key
+    ref = _ref_mla_decode(q, cache, group, sel, scale)
+    assert out.shape == ref.shape == (B, h, R)
+    # both compute in fp32 and round to bf16 once: ~1 bf16 ulp apart (values |o| < 4)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_mla_page_table_slots():
+    from glm_ray.kernels.aiter.ops import mla_page_table
+    group, _ = _decode_group(CTX)
+    bt, bs = group.block_table.long(), MLA_BS
+    indptr, idx = mla_page_table(group.block_table, group.context_lens, bs, None, max(CTX) + 3)
+    assert indptr.dtype == idx.dtype == torch.int32 and idx.shape == (len(CTX) * (max(CTX) + 3),)
+    for b, c in enumerate(group.context_lens.tolist()):        # dense: every position, in order
+        want = [int(bt[b, p // bs]) * bs + p % bs for p in range(c)]
+        assert idx[indptr[b]:indptr[b + 1]].tolist() == want
+    sel = _topk_positions(group, 6)[:, 0]
+    indptr, idx = mla_page_table(group.block_table, group.context_lens, bs, sel, 0)
+    for b, row in enumerate(sel.tolist()):                     # sparse: the valid picks, in pick order
+        want = [int(bt[b, p // bs]) * bs + p % bs for p in row if p >= 0]
+        assert idx[indptr[b]:indptr[b + 1]].tolist() == want
+    assert (idx[indptr[-1]:] == 0).all()
+
+
+def test_mla_decode_graph_capacity(aiter_backend):
+    """A CUDA-graph group (kv_capacity: static key width past every context) gives the same answer."""
+    import dataclasses
+    q, cache, group = _mla_decode_inputs(16)
+    cap = dataclasses.replace(group, kv_capacity=group.block_table.shape[1] * MLA_BS + 8, _views=None)
+    a = aiter_backend.mla_decode(q, cache, group, None, kv_lora_rank=R, scale=0.05)
+    b = aiter_backend.mla_decode(q, cache, cap, None, kv_lora_rank=R, scale=0.05)
+    (_, args_a, _), (_, args_b, _) = _calls("mla_decode_fwd")
+    assert args_b[5].numel() == len(CTX) * cap.kv_capacity and torch.equal(args_a[4], args_b[4])
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_mla_decode_fallbacks(aiter_backend):
+    """Bool-mask selections, fp32 inputs and other latent widths go to the reference, without aiter."""
+    ops = aiter_backend
+    q, cache, group = _mla_decode_inputs(16)
+    mask = group.causal.clone()
+    mask[:, :, 1::2] = False
+    mask[:, :, 0] = True
+    for args, kw in [((q, cache, group, mask), dict(kv_lora_rank=R)),
+                     ((q.float(), cache.float(), group, None), dict(kv_lora_rank=R)),
+                     ((q[..., :R], cache[:, :R].contiguous(), group, None), dict(kv_lora_rank=R - DR))]:
+        out = ops.mla_decode(*args, scale=0.05, **kw)
+        ref = _ref_mla_decode(*args, 0.05) if kw["kv_lora_rank"] == R else None
+        if ref is not None:
+            torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert not _calls("mla_decode_fwd")
+
+
+def test_fake_mla_decode_rejects_wrong_contract():
+    """The fake enforces the binding's contract: int64 indptr, a 2-D cache, a non-contiguous q all fail."""
+    q, cache, group = _mla_decode_inputs(16)
+    B = len(CTX)
+    qk = q[:B].contiguous()
+    o = torch.empty(B, 16, R, dtype=BF16)
+    qo = torch.arange(B + 1, dtype=torch.int32)
+    indptr = torch.arange(B + 1, dtype=torch.int32)
+    idx = torch.zeros(B, dtype=torch.int32)
+    last = torch.ones(B, dtype=torch.int32)
+    kv = cache.view(-1, 1, 1, R + DR)
+    fake_aiter.mla_decode_fwd(qk, kv, o, qo, indptr, idx, last, 1, sm_scale=0.1)     # the right call passes
+    with pytest.raises(AssertionError, match="kv_indptr must be int32"):
+        fake_aiter.mla_decode_fwd(qk, kv, o, qo, indptr.long(), idx, last, 1, sm_scale=0.1)
+    with pytest.raises(AssertionError, match="kv_buffer must be"):
+        fake_aiter.mla_decode_fwd(qk, cache, o, qo, indptr, idx, last, 1, sm_scale=0.1)
+    with pytest.raises(AssertionError, match="contiguous"):
+        fake_aiter.mla_decode_fwd(q.transpose(0, 1).contiguous().transpose(0, 1), kv, o, qo, indptr, idx, last, 1)
+
+
+# ---------------------------------------------------------------------------------------- MoE routing
+
+def _router_inputs(T, E, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, E, generator=g) * 2, torch.randn(E, generator=g) * 0.1
+
+
+@pytest.mark.parametrize("E,top_k,n_group,topk_group,renorm,biased", [
+    (64, 4, 1, 1, True, True),          # GLM-5 style: one group
+    (64, 6, 1, 1, False, True),         # unnormalized: > 32 experts per group, the HIP kernel only
+    (32, 4, 8, 3, True, True),          # DeepSeek style groups
+    (16, 2, 1, 1, True, False),         # bias None: selection on the plain scores
+])
+def test_moe_routing_matches_reference(aiter_backend, E, top_k, n_group, topk_group, renorm, biased):
+    from glm_ray.kernels.torch_ref.routing import moe_routing as ref_routing
+    logits, bias = _router_inputs(7, E)
+    bias = bias if biased else None
+    kw = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, renormalize=renorm, scale=2.5)
+    w, ids = aiter_backend.moe_routing(logits, bias, **kw)
+    (_, (gating, b, tw, tid), ckw), = _calls("biased_grouped_topk")
+    assert gating.dtype == b.dtype == torch.float32 and ckw["num_expert_group"] == n_group
+    assert ckw["need_renorm"] is renorm and ckw["routed_scaling_factor"] == 2.5
+    assert not torch.equal(tid, ids)                           # the fake's id order was re-sorted by score
+    rw, rids = ref_routing(logits, bias, **kw)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-6)
+
+
+def test_moe_routing_fallbacks(aiter_backend):
+    from glm_ray.kernels.torch_ref.routing import moe_routing as ref_routing
+    logits, bias = _router_inputs(5, 32)
+    for kw in [dict(top_k=4, n_group=4, topk_group=2, renormalize=True, scale=1.0),     # n_group 4
+               dict(top_k=4, n_group=1, topk_group=1, renormalize=False, scale=1.0)]:   # fused-gate may run
+        w, ids = aiter_backend.moe_routing(logits, bias, **kw)
+        rw, rids = ref_routing(logits, bias, **kw)
+        assert torch.equal(ids, rids) and torch.equal(w, rw)
+    assert not _calls("biased_grouped_topk")

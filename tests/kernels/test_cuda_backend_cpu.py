@@ -113,6 +113,28 @@ def test_kernel_failure_marks_op_broken_and_uses_reference(monkeypatch, caplog):
     assert sum(ck.fallbacks.values()) == 2 and "kernel failed" in caplog.text
 
 
+def test_decode_size_thresholds_route_to_the_one_launch_kernels(monkeypatch):
+    """GLM_RAY_CUDA_FP8_SMALL_M: a block-FP8 linear of <= that many rows runs the fused small-M kernel
+    (interpreted here) and equals the reference; above it, or with the default 0, the usual path."""
+    from glm_ray.kernels.cuda import CudaKernels, fp8_small_m
+    monkeypatch.setenv("GLM_RAY_CUDA_FP8_SMALL_M", "4")
+    ck = CudaKernels()
+    if ck.tk is None or not ck.tk.INTERPRET:
+        pytest.skip("needs triton interpreted")
+    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton: None)
+    calls = []
+    real = fp8_small_m.block_fp8_linear_small_m
+    monkeypatch.setattr(fp8_small_m, "block_fp8_linear_small_m", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w, s = dense_fp8_case(3, 256, 384)
+    y = ck.block_fp8_linear(x.float(), w, s, out_dtype=torch.bfloat16)
+    assert calls == [1]
+    want = ref_block_fp8_linear(x.float(), w, s, (128, 128), torch.float32)
+    assert rel_err(y.float(), want) < 1e-2                                  # bf16 output rounding
+    assert CudaKernels().small_m == 4 and ck.moe_decode_pairs == 0
+    monkeypatch.delenv("GLM_RAY_CUDA_FP8_SMALL_M")
+    assert CudaKernels().small_m == 0
+
+
 # ------------------------------------------------------------------------------ layout helpers
 
 @pytest.mark.parametrize("n,k,np_,kp", [(576, 6144, 640, 6144), (8192, 768, 8192, 1024), (128, 640, 128, 1024),

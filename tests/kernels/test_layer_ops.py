@@ -45,7 +45,8 @@ def test_aiter_backend_inherits_the_references(monkeypatch):
     try:
         ops = kernels.init_backend("aiter")
         for name, ref in NEW_OPS.items():
-            assert getattr(ops, name) is ref, name
+            if name != "mla_decode":                                 # aiter's mla_decode_fwd (page size 1)
+                assert getattr(ops, name) is ref, name
     finally:
         kernels.init_backend("torch")
 

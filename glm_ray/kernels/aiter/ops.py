@@ -26,8 +26,43 @@ Fused MoE (`fused_moe_block_fp8` / `fused_moe_mxfp4`, §4.1-4.7):
     derivation; to be confirmed on MI355X).
 Dense MXFP4 (shared experts / dense layers of Quark checkpoints): not wired to aiter's a4w4 GEMM yet;
   inherited from the torch reference (correct, slow) — a GPU TODO.
-Attention, indexer, KDA and mHC ops (mla_prefill, mla_decode, indexer_topk, indexer_kpool_topk,
-  causal_conv1d, kda_chunked, kda_decode, mhc_coefficients, swiglu): inherited from the torch reference.
+Absorbed MLA decode (`mla_decode`; aiter/mla.py, ROCm/aiter e4048607):
+  `mla_decode_fwd(q [B, H', 576] bf16 contiguous, kv_buffer, o [B, H', 512] bf16 (written in place),
+   qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q=1, sm_scale=scale)`
+  (non-persistent split-KV path: no work_meta_data), every index tensor int32;
+  * page size 1: kv_buffer = kv_cache.view(S, 1, 1, 576) ([num_pages, page_size, nhead_kv, D]) and
+    kv_indices = the flat cache slot of every attended position, packed per sequence (kv_indptr [B+1] =
+    cumulative counts, kv_last_page_lens = ones). aiter's decode is validated (op_tests/test_mla.py,
+    vLLM's AITER MLA backend: kernel block size 1, sglang's NSA decode) at page size 1 only, and older
+    aiter derived the page size from kv_buffer.shape[1] instead of a `page_size` argument: both read the
+    same here. page_size / nhead_kv are left at their default (1) for the same reason;
+  * dense: the slots of positions 0..ctx-1 over the key width kv_capacity or max_context_len; DSA top-k
+    (int32 positions [B, 1, k], -1 padded — a page table of page size 1): slot = block_table[b, p // bs]
+    * bs + p % bs of each valid position (0 <= p < ctx, so -1 may sit anywhere in a row). Built on the
+    device by `mla_page_table` (cumsum + scatter into a zeroed [B*K] buffer; entries past kv_indptr[B]
+    are never read): no host sync, static shapes, CUDA-graph capturable. aiter's own host work
+    (get_meta_param's split count) depends on shapes only (B, kv_indices.numel(), heads), never values;
+  * heads: the bf16 asm decode kernels exist for H' in {8, 16, 32, 64, 128} (hsa/gfx950/mla/mla_asm.csv,
+    max_seqlen_q 1): H heads are zero-padded up to the next of those (the pad heads' output is dropped);
+  * torch reference instead: more than one query per sequence, a bool-mask selection (k-pool indexer),
+    non-bf16 q or cache (fp8 needs q/kv scales), a latent width other than 512 + 64, more than 128
+    heads, a cache whose rows are not contiguous — each logged once.
+MoE routing (`moe_routing`; aiter/ops/topk.py):
+  `biased_grouped_topk(gating_output [T, E], correction_bias [E] (the gating dtype: the HIP kernel reads
+   it as such), topk_weights [T, K] fp32, topk_ids [T, K] int32, num_expert_group, topk_group,
+   need_renorm, routed_scaling_factor)` filled in place: sigmoid scores, biased selection, the top-2-sum
+   group score, un-biased weights / sum * scale. Neither its opt-sort kernel nor the `moe_fused_gate`
+   path (T > 212 * CUs with <= 32 experts per group) promises descending order, so the pairs are
+   re-sorted by biased score here (a [T, K] sort). bias None = zeros (selection on the plain scores).
+  The reference instead for n_group not in (1, 8) (2 and 4 dispatch, but the group-score reduction of
+  that kernel has no cross-lane steps when more than 8 lanes serve a group), top_k > 64 (one lane per
+  pick), E % n_group != 0, and renormalize=False where `moe_fused_gate` (asserts need_renorm) may run.
+DSA indexer (`indexer_topk`): inherited from the torch reference. aiter's indexer pieces —
+  `deepgemm_fp8_paged_mqa_logits` (FP8 queries against an FP8 key cache with per-token scales in
+  DeepGEMM's paged layout) and `top_k_per_row_decode` — do not fit this op's contract (fp32 queries, a
+  bf16 key cache [S, di]): using them means an FP8 index-key cache first (a GPU TODO).
+Other attention / KDA / mHC ops (mla_prefill, indexer_kpool_topk, causal_conv1d, kda_chunked,
+  kda_decode, mhc_coefficients, swiglu): inherited from the torch reference.
 
   Known numerics differences from the torch reference (documented, measured on GPU later):
   * aiter HIP MXFP4 activation quant uses RoundUp E8M0 scales (aiter#3212); Quark checkpoints
@@ -43,19 +78,56 @@ import torch
 import torch.nn.functional as F
 
 from glm_ray.kernels.table import KernelOps
+from glm_ray.kernels.torch_ref import attention as ref_attention
 from glm_ray.kernels.torch_ref import quant_ops as ref
 from glm_ray.kernels.torch_ref.aiter_layout import unshuffle_weight, x_scale_to_col_major
 from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
 from glm_ray.kernels.torch_ref.fp8 import normalize_e4m3fn_to_e4m3fnuz
+from glm_ray.kernels.torch_ref.routing import moe_routing as ref_moe_routing
 
 logger = logging.getLogger(__name__)
 
 AITER_PADDING_FP4 = 256          # aiter pads the MXFP4 intermediate dim to 128 bytes = 256 fp4 (§4.6)
 BLOCK = (128, 128)
+MLA_HEADS = (8, 16, 32, 64, 128)   # heads of aiter's bf16 asm MLA decode kernels (max_seqlen_q 1, non-persistent)
+MLA_DIMS = (512, 64)               # (kv_lora_rank, rope dim) those kernels are built for
+ROUTING_GROUPS = (1, 8)            # n_group values biased_grouped_topk reduces correctly (see the docstring)
+ROUTING_MAX_TOPK = 64              # one lane of a 64-wide wave per pick
+FUSED_GATE_MAX_PER_GROUP = 32      # biased_grouped_topk may take moe_fused_gate (need_renorm only) up to this
 
 
 def _round_up(a: int, b: int) -> int:
     return -(-a // b) * b
+
+
+def mla_page_table(block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                   positions: torch.Tensor | None, kmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The page-size-1 page table aiter's MLA decode reads: (kv_indptr [B+1] int32, kv_indices [B*K] int32).
+
+    positions None: every context position 0..ctx-1 (K = kmax); else int [B, K] key positions, -1 (or
+    >= ctx) = none. Sequence b's flat cache slots sit at kv_indices[kv_indptr[b]:kv_indptr[b+1]] in
+    position order; the tail past kv_indptr[B] is zeros (a valid slot, never read). Device ops only.
+    """
+    B, nb = block_table.shape
+    dev = block_table.device
+    ctx = context_lens.long()[:, None]                                      # [B, 1]
+    if positions is None:
+        pos = torch.arange(kmax, device=dev).expand(B, kmax)               # [B, K]
+    else:
+        pos = positions.long()                                              # [B, K]
+    K = pos.shape[1]
+    valid = (pos >= 0) & (pos < ctx)                                        # [B, K]
+    pos = torch.where(valid, pos, 0)
+    blk = block_table.long().gather(1, (pos // block_size).clamp(max=nb - 1))   # [B, K]
+    slots = (blk * block_size + pos % block_size).to(torch.int32)          # [B, K]
+    kv_indptr = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+    kv_indptr[1:] = valid.sum(1).cumsum(0)                                  # [B+1]
+    # packed destination of every valid entry; the invalid ones all land in one spare cell past the end
+    dest = kv_indptr[:-1, None].long() + valid.long().cumsum(1) - 1         # [B, K]
+    dest = torch.where(valid, dest, B * K)
+    kv_indices = torch.zeros(B * K + 1, dtype=torch.int32, device=dev)
+    kv_indices.scatter_(0, dest.flatten(), slots.flatten())
+    return kv_indptr, kv_indices[:B * K]
 
 
 class AiterKernels:
@@ -73,7 +145,9 @@ class AiterKernels:
         self.dtypes = aiter_module.dtypes
         self.QuantType = aiter_module.QuantType
         self.ActivationType = aiter_module.ActivationType
+        from aiter.mla import mla_decode_fwd  # noqa: PLC0415 - aiter (optional, ROCm only)
         self.fused_moe = fused_moe
+        self.mla_decode_fwd = mla_decode_fwd
         self.shuffle_weight = shuffle_weight
         self.e8m0_shuffle = e8m0_shuffle
         self.fp8 = self.dtypes.fp8                                           # e4m3fn on gfx950, fnuz on gfx942
@@ -200,6 +274,77 @@ class AiterKernels:
                              swiglu_limit=swiglu_limit, gate_mode=gate_mode, hidden_pad=hidden_pad,
                              intermediate_pad=intermediate_pad)
 
+    # ---- absorbed MLA decode ----------------------------------------------------------------------
+    def _mla_reason(self, q, kv_cache, group, selection, kv_lora_rank: int) -> str | None:
+        D = kv_cache.shape[-1]
+        if group.q_index.shape[1] != 1:
+            return "more than one query per sequence"
+        if selection is not None and selection.dtype == torch.bool:
+            return "a bool-mask selection"
+        if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
+            return f"q / cache dtype {q.dtype} / {kv_cache.dtype} (bf16 kernels)"
+        if (kv_lora_rank, D - kv_lora_rank) != MLA_DIMS or q.shape[-1] != D:
+            return f"latent width {kv_lora_rank} + {D - kv_lora_rank} (kernels for {MLA_DIMS[0]} + {MLA_DIMS[1]})"
+        if q.shape[1] > MLA_HEADS[-1]:
+            return f"{q.shape[1]} heads > {MLA_HEADS[-1]}"
+        if kv_cache.dim() != 2 or kv_cache.stride() != (D, 1):
+            return "cache rows not contiguous"
+        return None
+
+    def mla_decode(self, q, kv_cache, group, selection, *, kv_lora_rank: int, scale: float,
+                   max_bytes: int = ref_attention.ATTN_BYTES):
+        reason = self._mla_reason(q, kv_cache, group, selection, kv_lora_rank)
+        if reason is not None:
+            self._warn_once(f"mla_decode:{reason}", "aiter backend: mla_decode uses the torch reference: %s", reason)
+            return ref_attention.mla_decode(q, kv_cache, group, selection, kv_lora_rank=kv_lora_rank, scale=scale,
+                                            max_bytes=max_bytes)
+        B, h, D = group.q_index.shape[0], q.shape[1], kv_cache.shape[-1]
+        hp = next(n for n in MLA_HEADS if n >= h)                           # kernel head count
+        qg = q[group.q_index[:, 0]].contiguous()                            # [B, h, D] (aiter: contiguous q)
+        if hp != h:
+            qk = qg.new_zeros(B, hp, D)                                     # [B, hp, D] zero pad heads
+            qk[:, :h] = qg
+        else:
+            qk = qg
+        kmax = group.kv_capacity or group.max_context_len                   # host int, static in a graph
+        positions = None if selection is None else selection[:, 0]          # [B, k]
+        kv_indptr, kv_indices = mla_page_table(group.block_table, group.context_lens, group.block_size, positions,
+                                               kmax)
+        dev = q.device
+        qo_indptr = torch.arange(B + 1, dtype=torch.int32, device=dev)      # one query per sequence
+        last_page_lens = torch.ones(B, dtype=torch.int32, device=dev)       # page size 1
+        o = q.new_empty(B, hp, kv_lora_rank)                                # [B, hp, r] written by aiter
+        self.mla_decode_fwd(qk, kv_cache.view(-1, 1, 1, D), o, qo_indptr, kv_indptr, kv_indices, last_page_lens, 1,
+                            sm_scale=scale)
+        return o if hp == h else o[:, :h]                                   # [Tg = B, h, r]
+
+    # ---- MoE routing ------------------------------------------------------------------------------
+    def moe_routing(self, logits, bias, *, top_k: int, n_group: int, topk_group: int, renormalize: bool,
+                    scale: float):
+        T, E = logits.shape
+        reason = ((f"n_group {n_group} (aiter: {ROUTING_GROUPS})" if n_group not in ROUTING_GROUPS else None)
+                  or (f"{E} experts not divisible by n_group {n_group}" if E % n_group else None)
+                  or (f"top_k {top_k} > {ROUTING_MAX_TOPK}" if top_k > ROUTING_MAX_TOPK else None)
+                  or (f"topk_group {topk_group} not in [1, {n_group}]"
+                      if n_group > 1 and not 1 <= topk_group <= n_group else None)
+                  or ("renormalize=False (aiter's moe_fused_gate path requires it)"
+                      if not renormalize and E // n_group <= FUSED_GATE_MAX_PER_GROUP else None))
+        if reason is not None:
+            self._warn_once(f"moe_routing:{reason}", "aiter backend: moe_routing uses the torch reference: %s", reason)
+            return ref_moe_routing(logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                                   renormalize=renormalize, scale=scale)
+        g = logits.float().contiguous()                                     # [T, E] fp32
+        b = g.new_zeros(E) if bias is None else bias.to(torch.float32).contiguous()   # [E] the gating dtype
+        weights = torch.empty(T, top_k, dtype=torch.float32, device=g.device)
+        ids = torch.empty(T, top_k, dtype=torch.int32, device=g.device)
+        self.aiter.biased_grouped_topk(g, b, weights, ids, n_group, topk_group if n_group > 1 else 1, renormalize,
+                                       scale)
+        # the contract's order: descending biased score
+        idx = ids.long()                                                    # [T, K]
+        choice = g.gather(1, idx).sigmoid() + b[idx]                        # [T, K]
+        order = choice.argsort(dim=1, descending=True)
+        return weights.gather(1, order), ids.gather(1, order)
+
 
 def make_ops(aiter_module=None):
     """KernelOps for the aiter backend (fields it does not set are inherited from torch)."""
@@ -207,4 +352,4 @@ def make_ops(aiter_module=None):
     return KernelOps(name="aiter", block_fp8_linear=k.block_fp8_linear, fused_moe=None,
                      block_fp8_linear_prepare=k.block_fp8_linear_prepare, moe_quant_layout=k.moe_quant_layout,
                      moe_quant_prepare=k.moe_quant_prepare, fused_moe_block_fp8=k.fused_moe_block_fp8,
-                     fused_moe_mxfp4=k.fused_moe_mxfp4)
+                     fused_moe_mxfp4=k.fused_moe_mxfp4, mla_decode=k.mla_decode, moe_routing=k.moe_routing)

@@ -89,6 +89,9 @@ class CudaKernels:
         except Exception as e:                                      # noqa: BLE001 — any import failure
             self.tk, self.triton_error = None, f"triton unavailable ({type(e).__name__}: {e})"
             logger.warning("cuda kernel backend: %s; MoE / MXFP4 ops use the torch reference", self.triton_error)
+        # decode-size thresholds of the one-launch kernels (0 = off; envs.py says why)
+        self.small_m = envs.CUDA_FP8_SMALL_M.get() if self.tk is not None else 0
+        self.moe_decode_pairs = envs.CUDA_MOE_DECODE_PAIRS.get() if self.tk is not None else 0
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def _warn_once(self, key: str, msg: str, *args, level=logging.WARNING) -> None:
@@ -223,6 +226,10 @@ class CudaKernels:
         m = x2.shape[0]
         if m == 0:
             return x.new_empty(*lead, n, dtype=odt)
+        if m <= self.small_m:                        # decode sizes: one launch, activation quant fused
+            from glm_ray.kernels.cuda.fp8_small_m import block_fp8_linear_small_m  # noqa: PLC0415 (triton)
+            y = block_fp8_linear_small_m(x2, w, scale_inv, out_dtype=odt, act_ue8m0=act_ue8m0)
+            return (y if bias is None else y + bias.to(y.dtype)).to(odt).reshape(*lead, n)
         use_triton = self.fp8_gemm == "triton"
         if not use_triton:
             wp, sp, copied = L.scaled_mm_operands(w, scale_inv, n_pad, k_pad)

@@ -1,0 +1,204 @@
+"""Small-M block-FP8 W8A8 linear in one Triton launch: the dynamic 1x128 activation quant is fused into
+the GEMM (this module imports triton).
+
+`block_fp8_linear_small_m(x [M, K], w e4m3 [N, K], w_scale_inv fp32 [ceil(N/128), ceil(K/128)])` computes
+what `torch_ref.fp8.block_fp8_linear(..., mode="w8a8")` computes, for M <= 64 (decode steps). The backend's
+general path is two launches (`act_quant_fp8`, then `torch._scaled_mm` or the Triton GEMM) and, at M of a
+few rows, the GEMM is a GEMV whose time is reading the weight once. Here:
+
+* one program owns BN output columns (BN divides 128, so the tile has ONE weight-scale row) and ALL M rows
+  (BM = max(16, next_pow2(M)) rows, padded rows masked to zero), and walks its K range in 128-wide groups:
+  load x [BM, 128] (bf16/fp16 -> fp32) and quantize it in registers with the project's quantizer
+  `triton_kernels._fp8_group_quant` (imported, so bit-identical to `act_quant_fp8` and to the torch
+  reference's op order), load the weight tile [128, BN] e4m3 and accumulate
+  `acc += dot(q, w) * (s[:, None] * w_scale)` in fp32: the per-128-group promotion of the FP8 MMA
+  result to an fp32 accumulator that every block-FP8 kernel does.
+  Quantizing x in every N-program is redundant work, but x is tiny (M x K, L2-resident) and the quant of a
+  [BM, 128] tile is a few ALU ops per element against BN x 128 weight bytes; the bytes that matter, the
+  weight's, are read exactly once. Rows >= M load as zeros, quantize to 0 and add exactly 0.
+* tl.dot for every M, including M = 1 (no separate GEMV form): the 15 padding rows of a BM = 16 MMA cost
+  only tensor-core issue slots, which sit mostly idle at the bandwidth bound (M = 16 needs ~32 FLOP per
+  weight byte, ~150 TFLOP/s at 4.8 TB/s, far below the FP8 MMA rate), and one code path keeps the
+  numerics identical for every M. A CUDA-core GEMV would also have to widen every weight byte to fp32.
+* split-K: when cdiv(N, BN) programs cannot fill the GPU (N = 2048 at M = 1 is 32 programs for 132 SMs)
+  the K groups are split into `split` contiguous ranges (grid axis 1); each split stores its fp32 partial
+  [split, M, N] and `_split_k_sum_kernel` adds the partials in split order and casts: deterministic
+  (bit-identical run to run, no atomics) at the price of a second tiny launch. `split` is normalized so
+  that no split is empty (`groups_per_split = cdiv(G, split)`, `split = cdiv(G, groups_per_split)`); the
+  partial traffic (2 x split x M x N x 4 bytes, mostly L2) is capped at half the weight bytes.
+  (A single-pass "last program reduces" variant needs a device counter and cross-CTA memory ordering
+  that cannot be checked under the interpreter, so it is not used.)
+* the grid and every constexpr come from shapes (M, N, K, the SM count of the device): CUDA-graph
+  capturable, no host syncs. K not a multiple of 128 and N not a multiple of BN are masked. The K loop
+  is a constexpr trip count (`groups_per_split`): the interpreter cannot `range` over a runtime scalar
+  (numpy >= 2.4), and compiled kernels are specialized per (K, split) anyway.
+
+Interpreter (`TRITON_INTERPRET=1`, CPU tests): dot operands are upcast to fp32 (its bf16/fp8 dot is not
+exact) and outputs are computed in fp32 and cast by torch (its fp32 -> bf16 store rounding is inexact),
+as in triton_kernels.py.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from glm_ray.kernels.cuda.layout import cdiv
+from glm_ray.kernels.cuda.triton_kernels import ACT_EPS, FP8_MAX, INTERPRET, _fp8_group_quant
+
+MAX_M = 64                      # the design point: BM <= 64 rows in one tile
+GROUP = 128                     # activation quant group = weight block (both 128 along K)
+DEFAULT_SMS = 132               # H100/H200 SXM; used off-GPU (interpreter) for the split heuristic
+PROGRAMS_PER_SM = 2             # split-K target: about this many programs per SM
+PARTIAL_BYTES_FRACTION = 0.5    # cap: split-K partial traffic <= this fraction of the weight bytes
+SUM_BLOCK = 256                 # elements per program of the split-K reduction
+
+
+@dataclass(frozen=True)
+class SmallMConfig:
+    block_m: int                 # BM: rows of the tile (>= M, power of two, >= 16 for tl.dot)
+    block_n: int                 # BN: output columns per program (divides 128)
+    split: int                   # K splits (grid axis 1); 1 = no partials, one launch
+    groups_per_split: int        # 128-wide K groups per split (constexpr trip count)
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_type: str, index: int | None) -> int:
+    if device_type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                            ).multi_processor_count
+
+
+def small_m_config(m: int, n: int, k: int, *, split_k: int | None = None, num_sms: int = DEFAULT_SMS,
+                   block_n: int | None = None) -> SmallMConfig:
+    """Tile config from shapes only. `split_k` None: no split when the column tiles alone cover every SM,
+    else the split that brings the grid to about PROGRAMS_PER_SM x num_sms programs (capped by the
+    partial-traffic budget and the number of K groups);
+    an explicit `split_k` is clamped to [1, G]. Either way the split is normalized so none is empty."""
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"small-M block-FP8 linear: M = {m} not in [1, {MAX_M}]")
+    bm = max(16, triton.next_power_of_2(m))
+    bn = block_n or (128 if bm >= 64 else 64)
+    if GROUP % bn or bn < 16:
+        raise ValueError(f"block_n {bn} must divide {GROUP} (one weight-scale row per tile)")
+    groups = cdiv(k, GROUP)
+    if split_k is None:
+        n_tiles = cdiv(n, bn)
+        want = 1 if n_tiles >= num_sms else cdiv(PROGRAMS_PER_SM * num_sms, n_tiles)
+        budget = int(PARTIAL_BYTES_FRACTION * n * k / (2 * 4 * m * n))     # 2 x split x M x N x 4 <= frac x N x K
+        split = max(1, min(want, budget, groups))
+    else:
+        split = max(1, min(int(split_k), groups))
+    gps = cdiv(groups, split)
+    split = cdiv(groups, gps)
+    if bm <= 16:
+        warps, stages = 4, 4
+    elif bm <= 32:
+        warps, stages = 4, 3
+    else:
+        warps, stages = 8, 3
+    return SmallMConfig(bm, bn, split, gps, warps, stages)
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fp8_small_m_kernel(x_ptr, w_ptr, ws_ptr, o_ptr, M, N, K, G,
+                        stride_xm, stride_wn, stride_wsn, stride_wsk, stride_os, stride_om, eps, fmax,
+                        UE8M0: tl.constexpr, INTERP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        GPS: tl.constexpr):
+    """o[pid_k, m, n] = sum over the K groups g of split pid_k of
+    dot(quant(x[m, g]), w[n, g]) * s_x[m, g] * w_scale[n // 128, g]   (fp32 accumulate)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BM)
+    row_ok = rows < M
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, 128)
+    x_rows = x_ptr + rows[:, None] * stride_xm                                   # [BM, 1]
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn                    # [1, BN]
+    ws_row = ws_ptr + ((pid_n * BN) // 128) * stride_wsn                         # the tile's one scale row
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for i in range(0, GPS):                      # constexpr trip count: see module docstring
+        g = pid_k * GPS + i
+        kk = g * 128 + offs_k                                                    # [128]
+        k_ok = kk < K
+        x = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        q, s = _fp8_group_quant(x, eps, fmax, UE8M0, INTERP)                     # [BM, 128] e4m3, [BM] fp32
+        w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)   # [128, BN] e4m3
+        w_s = tl.load(ws_row + g * stride_wsk, mask=g < G, other=0.0)            # scalar fp32
+        if INTERP:
+            q = q.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(q, w) * (s[:, None] * w_s)
+    o_ptrs = o_ptr + pid_k * stride_os + rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _split_k_sum_kernel(p_ptr, o_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """o[i] = ((p[0, i] + p[1, i]) + p[2, i]) + ... in split order (deterministic), cast to o's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + s * MN + offs, mask=ok, other=0.0)
+    tl.store(o_ptr + offs, acc.to(o_ptr.dtype.element_ty), mask=ok)
+
+
+# --------------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------------
+
+def block_fp8_linear_small_m(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, *,
+                             out_dtype: torch.dtype | None = None, act_ue8m0: bool = False,
+                             split_k: int | None = None, config: SmallMConfig | None = None) -> torch.Tensor:
+    """y [M, N] = quant_1x128(x) @ dequant(w)^T, one fused launch (two with split-K), for M <= 64.
+
+    x [M, K] bf16/fp16 (fp32 accepted), unit last stride (any row stride); w float8_e4m3fn [N, K] with
+    unit last stride (any row stride: the padded corner views of `block_fp8_linear_prepare` work);
+    w_scale_inv fp32 [ceil(N/128), ceil(K/128)] (any strides). out_dtype: default x.dtype.
+    `split_k` None = heuristic (see `small_m_config`); `config` overrides the whole tile config (tuning).
+    """
+    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (tuple(x.shape), tuple(w.shape))
+    m, k = x.shape
+    n = w.shape[0]
+    odt = out_dtype or x.dtype
+    assert m <= MAX_M, f"block_fp8_linear_small_m is designed for M <= {MAX_M} (got M = {m})"
+    assert w.dtype == torch.float8_e4m3fn and w.stride(1) == 1, (w.dtype, w.stride())
+    assert w_scale_inv.dtype == torch.float32 and tuple(w_scale_inv.shape) == (cdiv(n, GROUP), cdiv(k, GROUP)), \
+        (w_scale_inv.dtype, tuple(w_scale_inv.shape))
+    if m == 0 or n == 0:
+        return torch.zeros(m, n, dtype=odt, device=x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or small_m_config(m, n, k, split_k=split_k, num_sms=_sm_count(x.device.type, x.device.index))
+    groups = cdiv(k, GROUP)
+    assert cfg.split * cfg.groups_per_split >= groups and GROUP % cfg.block_n == 0 and cfg.block_m >= m, cfg
+    kdt = torch.float32 if INTERPRET else odt          # interpreter: fp32 out, cast by torch (see docstring)
+    out = torch.empty(m, n, dtype=kdt, device=x.device)
+    if cfg.split > 1:
+        dst = torch.empty(cfg.split, m, n, dtype=torch.float32, device=x.device)      # [split, M, N] partials
+        stride_os, stride_om = dst.stride(0), dst.stride(1)
+    else:
+        dst, stride_os, stride_om = out, 0, out.stride(0)
+    grid = (cdiv(n, cfg.block_n), cfg.split)
+    _fp8_small_m_kernel[grid](
+        x, w, w_scale_inv, dst, m, n, k, groups,
+        x.stride(0), w.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), stride_os, stride_om,
+        ACT_EPS, FP8_MAX,
+        UE8M0=act_ue8m0, INTERP=INTERPRET, BM=cfg.block_m, BN=cfg.block_n, GPS=cfg.groups_per_split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.split > 1:
+        _split_k_sum_kernel[(cdiv(m * n, SUM_BLOCK),)](dst, out, m * n, SPLIT=cfg.split, BLOCK=SUM_BLOCK,
+                                                        num_warps=4)
+    return out.to(odt)

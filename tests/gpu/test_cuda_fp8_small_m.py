@@ -1,0 +1,136 @@
+"""The fused small-M block-FP8 W8A8 linear (glm_ray/kernels/cuda/fp8_small_m.py) on the GPU (skipped without
+an NVIDIA sm_90 GPU), at the dense projection shapes of tests/gpu/test_cuda_kernels.py (glm5-slice-6l and
+glm5-flash-31b) and M in {1, 2, 8, 32, 64}, against the torch reference; plus CUDA-graph replay == eager.
+
+Tolerances (relative Frobenius error, `rel_err`), as tests/gpu/test_cuda_kernels.py argues them:
+* tight 4e-3 (bf16 output) — against the reference GEMM on the activations quantized by the backend's
+  `act_quant_fp8`; the fused kernel runs the same `_fp8_group_quant`, so the FP8 operands are identical and
+  only the fp32 summation order and the bf16 output rounding (2^-9 per element) remain.
+* tight 1e-3 (fp32 output) — same oracle, no output rounding: what is left is the FP8 MMA's own
+  accumulation inside each 128-wide K group (Hopper keeps fewer than 24 mantissa bits there, ~2^-14
+  relative per group, DeepSeek-V3 report §3.3.2) before the fp32 promotion; 1e-3 leaves a wide margin.
+* e2e 1.5e-2 — against the stock torch reference run on the GPU, whose CUDA `amax / 448` differs from the
+  IEEE quotient by 1 ulp in about half of the groups and flips ~1% of e4m3 roundings (measured dense e2e
+  <= 7e-3 on the H200).
+Each new (K, split, BM) is a Triton compile, so the M grid is trimmed per shape.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or getattr(torch.version, "hip", None) is not None,
+                                 reason="no NVIDIA GPU present")]
+
+from glm_ray.kernels.cuda import layout as L  # noqa: E402
+from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear  # noqa: E402
+from glm_ray.kernels.torch_ref.fp8 import w8a8_block_fp8_matmul  # noqa: E402
+from tests.kernels.cases import dense_fp8_case, rel_err  # noqa: E402
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+TOL = {"tight": 4e-3, "tight_fp32": 1e-3, "e2e": 1.5e-2}
+MS = (1, 2, 8, 32, 64)
+
+# (name, N, K, M values): the dense shapes of tests/gpu/test_cuda_kernels.py
+SHAPES = [
+    ("slice.q_b_proj", 16384, 2048, MS),
+    ("slice.o_proj", 6144, 16384, (1, 64)),
+    ("slice.kv_a_proj_with_mqa", 576, 6144, (1, 8, 64)),
+    ("flash.q_b_proj(K=768)", 8192, 768, MS),
+    ("flash.o_proj", 2048, 8192, MS),
+    ("K=640", 1024, 640, (1, 64)),
+]
+
+
+def _sm() -> int:
+    a, b = torch.cuda.get_device_capability()
+    return 10 * a + b
+
+
+@pytest.fixture(scope="module")
+def mods():
+    if _sm() < 90:
+        pytest.skip("FP8 kernels need sm_90")
+    pytest.importorskip("triton")
+    from glm_ray.kernels.cuda import fp8_small_m
+    from glm_ray.kernels.cuda import triton_kernels as tk
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False                    # the fp32 reference GEMMs
+    yield fp8_small_m, tk
+    torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def _oracle(tk, x, w, s, ue8m0=False):
+    """The reference GEMM on the backend quantizer's own FP8 activations (fp32 result)."""
+    xq, xs = tk.act_quant_fp8(x, ue8m0=ue8m0)
+    return w8a8_block_fp8_matmul(xq, xs, w, s, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("name,n,k,ms", SHAPES, ids=[s[0] for s in SHAPES])
+def test_small_m_matches_reference(mods, name, n, k, ms):
+    sm, tk = mods
+    _, w, s = dense_fp8_case(1, n, k, device=DEV)
+    wv, sv, _ = L.prepare_scaled_mm_weight(w, s)        # the padded corner views the backend's layers hold
+    for m in ms:
+        x = torch.randn(m, k, device=DEV, dtype=BF16)
+        cfg = sm.small_m_config(m, n, k, num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+        y = sm.block_fp8_linear_small_m(x, wv, sv)
+        assert y.shape == (m, n) and y.dtype == BF16 and y.is_contiguous()
+        info = f"{name} M={m} split={cfg.split}"
+        err = rel_err(y, _oracle(tk, x, w, s))
+        assert err <= TOL["tight"], f"{info}: rel err {err:.3e} vs oracle"
+        err = rel_err(y, ref_block_fp8_linear(x, w, s, out_dtype=torch.float32))
+        assert err <= TOL["e2e"], f"{info}: rel err {err:.3e} vs torch reference"
+
+
+def test_small_m_fp32_out_ue8m0_and_forced_splits(mods):
+    sm, tk = mods
+    n, k = 2048, 8192                                               # flash.o_proj: split-K by default at M = 1
+    x, w, s = dense_fp8_case(8, n, k, device=DEV)
+    for ue8m0 in (False, True):
+        o = _oracle(tk, x, w, s, ue8m0)
+        for split_k in (None, 1, 5):
+            y = sm.block_fp8_linear_small_m(x, w, s, out_dtype=torch.float32, act_ue8m0=ue8m0, split_k=split_k)
+            err = rel_err(y, o)
+            assert err <= TOL["tight_fp32"], f"ue8m0={ue8m0} split_k={split_k}: rel err {err:.3e}"
+    # fp16 activations and output
+    y = sm.block_fp8_linear_small_m(x.half(), w, s)
+    assert y.dtype == torch.float16 and rel_err(y, _oracle(tk, x.half(), w, s)) <= TOL["tight"]
+
+
+def test_small_m_is_deterministic_and_sync_free(mods):
+    sm, _ = mods
+    x, w, s = dense_fp8_case(3, 2048, 8192, device=DEV)
+    assert sm.small_m_config(3, 2048, 8192).split > 1
+    y = sm.block_fp8_linear_small_m(x, w, s)                        # compiles outside the sync check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")                          # any host sync raises
+    try:
+        y2 = sm.block_fp8_linear_small_m(x, w, s)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(y, y2)                                       # fixed-order split-K sum: bit-identical
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 2048, 8192), (8, 16384, 2048)], ids=["split-k", "one-launch"])
+def test_small_m_cuda_graph_replay_equals_eager(mods, m, n, k):
+    sm, _ = mods
+    x, w, s = dense_fp8_case(m, n, k, device=DEV)
+    fn = lambda a: sm.block_fp8_linear_small_m(a, w, s)             # noqa: E731
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                                   # compile + warm up off the capture
+        fn(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = fn(static_x)
+    for seed in (1, 2):
+        x_new = torch.randn(m, k, device=DEV, dtype=BF16, generator=torch.Generator(device=DEV).manual_seed(seed))
+        static_x.copy_(x_new)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, fn(x_new))
