@@ -133,6 +133,17 @@ def test_decode_size_thresholds_route_to_the_one_launch_kernels(monkeypatch):
     assert CudaKernels().small_m == 4 and ck.moe_decode_pairs == 0
     monkeypatch.delenv("GLM_RAY_CUDA_FP8_SMALL_M")
     assert CudaKernels().small_m == 0
+    # GLM_RAY_CUDA_MOE_DECODE_PAIRS: MoE calls of <= that many (token, expert) pairs take the decode kernels
+    from glm_ray.kernels.cuda import moe_decode
+    monkeypatch.setenv("GLM_RAY_CUDA_MOE_DECODE_PAIRS", "8")
+    ck = CudaKernels()
+    real_moe = moe_decode.fused_moe_decode
+    monkeypatch.setattr(moe_decode, "fused_moe_decode", lambda *a, **k: calls.append(2) or real_moe(*a, **k))
+    c = moe_case(3, 64, 32, 4, 2, "bf16")                                 # 6 pairs
+    got = ck.fused_moe(c.x, c.w13, c.w2, c.topk_weights, c.topk_ids)
+    assert calls == [1, 2]
+    want = ref_fused_moe(c.x, c.w13, c.w2, c.topk_weights, c.topk_ids)
+    assert rel_err(got.float(), want.float()) < 1e-2
 
 
 # ------------------------------------------------------------------------------ layout helpers

@@ -11,7 +11,10 @@
 * fused_moe (bf16/fp16): Triton grouped kernels. Reference when: not CUDA, sm < 80, x not bf16/fp16
   (fp32 runs are test configurations and get the exact reference).
 * fused_moe_block_fp8: Triton grouped kernels, W8A8 1x128 / 128x128. Reference when: not CUDA,
-  sm < 90, block != 128x128.
+  sm < 90, block != 128x128. fused_moe / fused_moe_block_fp8 calls of at most GLM_RAY_CUDA_MOE_DECODE_PAIRS
+  (token, expert) pairs take the sort-free two-launch decode kernels (moe_decode.py) instead.
+* block_fp8_linear of at most GLM_RAY_CUDA_FP8_SMALL_M rows: one Triton launch with the activation quant
+  fused (fp8_small_m.py).
 * fused_moe_mxfp4: Triton grouped kernels, W4A16 (e2m1/e8m0 dequantized in registers) plus MXFP4 qdq
   of both stage inputs when `act_mode` is set (= the W4A4 numerics of the reference). Reference when:
   not CUDA, sm < 80, unknown act_mode, sizes not multiples of 32.
@@ -264,6 +267,13 @@ class CudaKernels:
             self._fallback("fused_moe", reason)
             return ref_fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit=swiglu_limit,
                                  intermediate_pad=intermediate_pad)
+        if topk_ids.numel() <= self.moe_decode_pairs:
+            from glm_ray.kernels.cuda.moe_decode import fused_moe_decode  # noqa: PLC0415 (imports triton)
+            return self._guarded("fused_moe", lambda: fused_moe_decode(
+                x, w13, w2, topk_weights, topk_ids, w_mode="bf16", intermediate_pad=intermediate_pad,
+                swiglu_limit=swiglu_limit), lambda: ref_fused_moe(x, w13, w2, topk_weights, topk_ids,
+                                                                  swiglu_limit=swiglu_limit,
+                                                                  intermediate_pad=intermediate_pad))
         return self._guarded(
             "fused_moe",
             lambda: self.tk.fused_moe_triton(x, w13.contiguous(), w2.contiguous(), topk_weights, topk_ids,
@@ -292,6 +302,12 @@ class CudaKernels:
         if reason is not None:
             self._fallback("fused_moe_block_fp8", reason)
             return slow()
+        if topk_ids.numel() <= self.moe_decode_pairs:
+            from glm_ray.kernels.cuda.moe_decode import fused_moe_decode  # noqa: PLC0415 (imports triton)
+            return self._guarded("fused_moe_block_fp8", lambda: fused_moe_decode(
+                self._moe_x(x), w13, w2, topk_weights, topk_ids, w_mode="fp8",
+                w13_scale=w13_scale_inv.float(), w2_scale=w2_scale_inv.float(), hidden_pad=hidden_pad,
+                intermediate_pad=intermediate_pad, swiglu_limit=swiglu_limit, act_ue8m0=act_ue8m0).to(x.dtype), slow)
         return self._guarded("fused_moe_block_fp8", lambda: self.tk.fused_moe_triton(
             self._moe_x(x), w13.contiguous(), w2.contiguous(), topk_weights, topk_ids, w_mode="fp8",
             w13_scale=w13_scale_inv.float().contiguous(), w2_scale=w2_scale_inv.float().contiguous(),
