@@ -47,9 +47,11 @@ DEFERRED = {
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.routing"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.fp8_small_m"): "triton, only on the cuda backend",
     ("glm_ray.bench.indexer", "glm_ray.kernels.cuda.indexer"): "triton: `--help` works without it",
+    ("glm_ray.serve.engine_host", "glm_ray.worker.step_channel"): "TP > 1 only",
     ("glm_ray.bench.moe_decode", "glm_ray.kernels.cuda.moe_decode"): "triton: `--help` works without it",
     ("glm_ray.bench.moe_decode", "glm_ray.kernels.cuda.triton_kernels"): "triton: `--help` works without it",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.moe_decode"): "triton, only on the cuda backend",
+    ("glm_ray.worker.worker_group", "glm_ray.worker.step_channel"): "engine-in-rank-0 mode only",
 }
 
 

@@ -2,13 +2,16 @@
 
 Initialized once per worker (`init_tensor_parallel`); with TP=1 nothing is initialized and the
 collectives are identities. Collectives go over torch.distributed (NCCL on CUDA, RCCL via the
-"nccl" backend name on ROCm, gloo on CPU), never over Ray.
+"nccl" backend name on ROCm, gloo on CPU), never over Ray. With TP>1 a second group on gloo over
+the same ranks (`cpu_group()`) carries host-side messages: rank 0 hands each engine step to the
+other ranks over it (worker/step_channel.py).
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,16 @@ class TPState:
 
 
 _TP = TPState()
+
+# NOTE: the host-message group's timeout differs per rank, on purpose. Rank 0 only waits on the others
+# inside a step, so a lost rank must turn into an exception there, not a hang (gloo raises at once when
+# the peer's process died and its sockets closed; after this long when it hangs or its host vanished).
+# The other ranks wait in `recv` for as long as the engine idles, so they must not time out there: a
+# dead rank 0 closes its sockets, which ends their wait at once.
+CPU_GROUP_TIMEOUT_S = 120.0
+FOLLOWER_CPU_GROUP_TIMEOUT_S = 30 * 24 * 3600.0    # 30 days: finite, so `now + timeout` fits a ns clock
+
+_CPU_GROUP: dist.ProcessGroup | None = None
 
 
 class CollectiveTimer:
@@ -73,12 +86,15 @@ def collective_timer() -> CollectiveTimer | None:
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device_type: str) -> TPState:
     """Join the TP group. `init_method` is e.g. "tcp://127.0.0.1:29500" (rank 0's address)."""
-    global _TP
+    global _TP, _CPU_GROUP
     if size == 1:
         _TP = TPState()
+        _CPU_GROUP = None
         return _TP
     backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=size)
+    timeout = CPU_GROUP_TIMEOUT_S if rank == 0 else FOLLOWER_CPU_GROUP_TIMEOUT_S
+    _CPU_GROUP = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     _TP = TPState(rank=rank, size=size, backend=backend)
     logger.info("TP rank %d/%d joined (%s)", rank, size, backend)
     return _TP
@@ -90,6 +106,11 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _TP.size
+
+
+def cpu_group() -> dist.ProcessGroup | None:
+    """The gloo group over the TP ranks for host-side messages (None at TP=1)."""
+    return _CPU_GROUP
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

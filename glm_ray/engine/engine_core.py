@@ -71,6 +71,35 @@ def summarize_steps(steps, decode_only: bool = True) -> dict:
             "batch": med(lambda s: s.num_decode_seqs)}
 
 
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> int:
+    """Raise InvalidRequestError if the request can never be served by a model of this vocabulary and
+    context length; return its resolved max_tokens (what a Router validates before any engine call)."""
+    try:
+        params.validate()            # again: a SamplingParams that crossed a process was unpickled, not built
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param=getattr(e, "param", None)) from None
+    if not prompt_token_ids:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    V = vocab_size
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < V)]
+    if bad:
+        raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})", param="prompt")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < V]
+    if bad:
+        raise InvalidRequestError(f"stop token id {bad[0]} is outside the vocabulary [0, {V})",
+                                  param="stop_token_ids")
+    P = len(prompt_token_ids)
+    if P >= max_model_len:
+        raise InvalidRequestError(f"the prompt has {P} tokens but the model's context length is "
+                                  f"{max_model_len}; shorten the prompt", param="prompt")
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - P
+    if P + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"this request needs {P} prompt + {max_tokens} output tokens = {P + max_tokens}, more than the "
+            f"context length {max_model_len}; reduce the prompt or max_tokens", param="max_tokens")
+    return max_tokens
+
+
 class EngineCore:
     def __init__(self, cfg: EngineConfig, executor: Executor, tokenizer=None):
         self.cfg = cfg
@@ -99,30 +128,7 @@ class EngineCore:
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise InvalidRequestError if the request can never be served; return its resolved max_tokens.
         Reads only immutable state, so callers may use it while a step runs."""
-        try:
-            params.validate()            # again: a SamplingParams that crossed a process was unpickled, not built
-        except ValueError as e:
-            raise InvalidRequestError(str(e), param=getattr(e, "param", None)) from None
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        V = self.model_cfg.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < V)]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})", param="prompt")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < V]
-        if bad:
-            raise InvalidRequestError(f"stop token id {bad[0]} is outside the vocabulary [0, {V})",
-                                      param="stop_token_ids")
-        P = len(prompt_token_ids)
-        if P >= self.max_model_len:
-            raise InvalidRequestError(f"the prompt has {P} tokens but the model's context length is "
-                                      f"{self.max_model_len}; shorten the prompt", param="prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - P
-        if P + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this request needs {P} prompt + {max_tokens} output tokens = {P + max_tokens}, more than the "
-                f"context length {self.max_model_len}; reduce the prompt or max_tokens", param="max_tokens")
-        return max_tokens
+        return validate_request(prompt_token_ids, params, self.model_cfg.vocab_size, self.max_model_len)
 
     def check_capacity(self, pending: int = 0) -> None:
         """The queue-full rule: raise EngineOverloadedError (a 503 + Retry-After) when the unfinished

@@ -1,30 +1,27 @@
 """The Router deployment: one replica = one model instance = one TP group.
 
-Owns the `EngineCore` (scheduler, KV block manager, detokenizers) and the Ray worker group, runs the
-batching loop, and streams `TokenDelta`s per request to the ingress.
-
-Threading: the engine is touched by exactly one thing at a time. `engine.step()` runs on a single
-dedicated thread; between steps the event loop applies queued adds/aborts. Requests arriving while a
-step runs wait in `_pending_*` lists (validated synchronously, so bad input still fails fast).
+Owns what Serve needs of the engine — admission (validation, the queue-full rule), per-request streams,
+aborts, health, metrics, the placement group — and an engine client (`serve/engine_client.py`): the
+engine in this process (`LocalEngine`, one Ray call per step to the ranks) or inside rank 0's actor
+(`RemoteEngine`, `engine_in_worker: true`: no Ray call per step). Either way `run()` publishes one
+`StepBatch` per engine step, which the Router fans out to the request streams as `TokenDelta`s.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
 from glm_ray.config import make_engine_config
-from glm_ray.engine.engine_core import EngineCore, summarize_steps
 from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, request_failure
 from glm_ray.engine.outputs import TokenDelta
 from glm_ray.engine.sampling_params import SamplingParams
-from glm_ray.engine.tokenizer import load_tokenizer
 from glm_ray.serve.args import ServeArgs
+from glm_ray.serve.engine_client import LocalEngine, RemoteEngine
+from glm_ray.serve.engine_host import StepBatch
 from glm_ray.serve.metrics import EngineMetrics
-from glm_ray.worker.worker_group import RayWorkerGroup
 
 logger = logging.getLogger("glm_ray.serve.router")
 # What clients see once a rank is lost (the cause goes to the log): Serve replaces the replica.
@@ -53,21 +50,17 @@ class Router:
             kv_cache_memory_bytes=int(a.kv_cache_memory_gb * 2**30) if a.kv_cache_memory_gb else None,
             gpu_memory_utilization=a.gpu_memory_utilization, max_waiting=a.max_queued_requests,
             fp8_proj_gemm=a.fp8_proj_gemm, fp8_proj_min_tokens=a.fp8_proj_min_tokens, enforce_eager=a.enforce_eager)
-        self.executor = RayWorkerGroup(self.cfg, name_prefix=_worker_name_prefix())
-        self.engine = EngineCore(self.cfg, self.executor, load_tokenizer(model))
+        engine_cls = RemoteEngine if a.engine_in_worker else LocalEngine
+        self.engine = engine_cls(self.cfg, model, _worker_name_prefix())
         self.model_path = model
         self.metrics = EngineMetrics(a.model_name(), a.fp8_proj_gemm, a.tp)
         self._streams: dict[str, _Stream] = {}
-        self._pending_adds: list[tuple[str, list[int], SamplingParams, int]] = []   # (id, prompt, params, max_tokens)
-        self._pending_aborts: list[str] = []
-        self._wakeup = asyncio.Event()
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._dead: BaseException | None = None
         self._recent_aborts: dict[str, float] = {}    # aborts that arrived before their generate()
-        self._last_ok = time.monotonic()
+        self._closing = False
         self._loop_task = asyncio.get_event_loop().create_task(self._run())
         logger.info("Router ready: %s tp=%d fp8_proj=%s orchestration=%s", a.model_name(), a.tp, a.fp8_proj_gemm,
-                    self.executor.orchestration)
+                    self.engine.orchestration)
 
     # ---- API used by the ingress --------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -77,15 +70,14 @@ class Router:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         if self._recent_aborts.pop(request_id, None) is not None:
             return                     # the caller gave up before we even saw the request
-        max_tokens = self.engine.validate_request(prompt_token_ids, params)
+        max_tokens = self.engine.validate(prompt_token_ids, params)
         try:
-            self.engine.check_capacity(pending=len(self._pending_adds))
+            self.engine.check_capacity(in_flight=len(self._streams))
         except EngineOverloadedError:
             self.metrics.on_error(EngineOverloadedError.error_type)
             raise
         stream = self._streams[request_id] = _Stream()
-        self._pending_adds.append((request_id, list(prompt_token_ids), params, max_tokens))
-        self._wakeup.set()
+        self.engine.add(request_id, list(prompt_token_ids), params, max_tokens)
         finished = False
         try:
             while True:
@@ -101,23 +93,21 @@ class Router:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished:           # caller went away (disconnect/cancel) or the engine failed
-                self._pending_aborts.append(request_id)
-                self._wakeup.set()
+            if not finished and self._dead is None:   # caller went away (disconnect/cancel)
+                self.engine.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         if request_id not in self._streams:
             now = time.monotonic()
             self._recent_aborts = {k: t for k, t in self._recent_aborts.items() if now - t < 60}
             self._recent_aborts[request_id] = now
-        self._pending_aborts.append(request_id)
-        self._wakeup.set()
+        self.engine.abort(request_id)
 
     async def get_model_info(self) -> dict:
         return {"model": self.args.model_name(), "model_path": self.model_path,
-                "max_model_len": self.engine.max_model_len, "vocab_size": self.engine.model_cfg.vocab_size,
+                "max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
                 "tp": self.args.tp, "fp8_proj": self.args.fp8_proj_gemm,
-                "orchestration": self.executor.orchestration}
+                "orchestration": self.engine.orchestration}
 
     async def check_engine(self) -> None:
         if self._dead is not None:
@@ -126,62 +116,36 @@ class Router:
     async def check_health(self) -> None:
         """Serve health check: fails once a worker died or the loop crashed."""
         await self.check_engine()
-        if not self.engine.has_unfinished() and not self._pending_adds and time.monotonic() - self._last_ok > 5:
-            try:   # idle: probe every rank with an empty step, on the engine thread
-                await asyncio.get_running_loop().run_in_executor(self._thread, self.executor.check_health)
-                self._last_ok = time.monotonic()
-            except Exception as e:
-                self._fail(e)
-                raise EngineDeadError(_DEAD_MESSAGE) from e
+        try:
+            await self.engine.health()
+        except Exception as e:
+            self._fail(e)
+            raise EngineDeadError(_DEAD_MESSAGE) from e
 
     async def stats(self) -> dict:
-        s = self.engine.last_stats
-        return {"running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
-                "kv_usage": self.engine.kv.usage(), "num_preemptions": self.engine.num_preemptions,
-                "kv_capacity_tokens": self.engine.kv.capacity_tokens, "max_model_len": self.engine.max_model_len,
-                "last_step": {"schedule_s": s.schedule_s, "execute_s": s.execute_s, "update_s": s.update_s,
-                              "worker": s.worker_timings, "num_tokens": s.num_tokens},
-                "decode_steps": summarize_steps(list(self.engine.step_history)),
-                "orchestration": self.executor.orchestration}
+        return await self.engine.stats()
 
     # ---- the batching loop --------------------------------------------------------------------
-    def _apply_pending(self) -> None:
-        adds, self._pending_adds = self._pending_adds, []
-        for rid, ids, params, max_tokens in adds:
-            if rid not in self._streams:          # cancelled before it was admitted
-                continue
-            try:
-                self.engine.add_request(rid, ids, params, max_tokens=max_tokens)
-            except Exception as e:  # noqa: BLE001 - whatever it is, it ends this request's stream
-                self._streams[rid].queue.put_nowait(e)
-        aborts, self._pending_aborts = self._pending_aborts, []
-        for rid in aborts:
-            self.engine.abort(rid)
-
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            self._apply_pending()
-            if not self.engine.has_unfinished():
-                self._wakeup.clear()
-                if self._pending_adds or self._pending_aborts:
-                    continue
-                try:   # idle: wake up now and then so gauges are refreshed (Ray drops stale gauges)
-                    await asyncio.wait_for(self._wakeup.wait(), timeout=4.0)
-                except asyncio.TimeoutError:
-                    self.metrics.on_step(0, 0, self.engine.kv.usage(), 0, 0, 0)
-                continue
-            try:
-                deltas = await loop.run_in_executor(self._thread, self.engine.step)
-            except Exception as e:
-                logger.exception("engine step failed")
-                self._fail(e)
+        try:
+            await self.engine.run(self._on_step)
+        except Exception as e:  # noqa: BLE001 - the engine died; every stream ends, Serve replaces us
+            if self._closing:
                 return
-            self._last_ok = time.monotonic()
-            try:
-                self._publish(deltas)
-            except Exception:  # noqa: BLE001 - metrics/queues must not stop the loop
-                logger.exception("publishing a step's outputs failed")
+            logger.exception("engine step failed")
+            self._fail(e)
+
+    def _on_step(self, batch: StepBatch) -> None:
+        try:
+            for rid, e in batch.rejected.items():
+                st = self._streams.get(rid)
+                if st is not None:
+                    st.queue.put_nowait(e)
+            self._publish(batch.deltas)
+            self.metrics.on_step(batch.running, batch.waiting, batch.kv_usage, batch.num_prefill_tokens,
+                                 batch.num_decode_seqs, batch.num_preempted)
+        except Exception:  # noqa: BLE001 - metrics/queues must not stop the loop
+            logger.exception("publishing a step's outputs failed")
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         now = time.monotonic()
@@ -208,9 +172,6 @@ class Router:
                 m.on_request_finished(now - st.arrival, tpot, d.num_prompt_tokens, st.n, d.finish_reason)
             st.queue.put_nowait(d)
         m.on_tokens(itl)
-        s = self.engine.last_stats
-        m.on_step(len(self.engine.scheduler.running), len(self.engine.scheduler.waiting), self.engine.kv.usage(),
-                  s.num_prefill_tokens, s.num_decode_seqs, s.num_preempted)
 
     def _fail(self, e: BaseException) -> None:
         self._dead = e
@@ -221,8 +182,9 @@ class Router:
         self.metrics.on_error("engine_dead")
 
     def __del__(self):
+        self._closing = True
         try:
-            self.executor.shutdown()
+            self.engine.shutdown()
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
 

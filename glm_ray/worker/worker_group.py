@@ -36,9 +36,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@ray.remote
-class WorkerActor:
-    """Holds one `Worker` (one TP rank)."""
+class RankActor:
+    """Holds one `Worker` (one TP rank): the body of `WorkerActor` and of the engine host
+    (serve/engine_host.py), which is rank 0 with the engine loop."""
 
     def __init__(self, cfg: EngineConfig, rank: int):
         logging.basicConfig(level=logging.INFO)
@@ -79,6 +79,17 @@ class WorkerActor:
     def model_config(self):
         return self.worker.model_cfg
 
+    def follow(self) -> None:
+        """Ranks 1..N-1 when the engine loop lives in rank 0: run the steps rank 0 broadcasts over
+        torch.distributed until it sends the stop (worker/step_channel.py)."""
+        from glm_ray.worker.step_channel import StepChannel, follow  # noqa: PLC0415 - engine-host mode only
+        if self.worker.device.type == "cuda":
+            torch.cuda.set_device(self.worker.device)
+        follow(self.worker, StepChannel())
+
+
+WorkerActor = ray.remote(RankActor)
+
 
 def merge_rank_outputs(outputs: list):
     """Rank 0's output, plus every request another rank reported as failed (ranks run the same
@@ -94,7 +105,9 @@ def merge_rank_outputs(outputs: list):
 
 class RayWorkerGroup:
     def __init__(self, cfg: EngineConfig, placement: PlacementGroup | None = None, first_bundle: int | None = None,
-                 name_prefix: str | None = None):
+                 name_prefix: str | None = None, rank0_cls=None):
+        """rank0_cls: a Ray actor class (a `RankActor`) for rank 0 — the engine host, which then drives
+        the other ranks itself (no compiled graph; ranks 1..N-1 run `follow`)."""
         self.cfg = cfg
         tp = cfg.parallel.tensor_parallel_size
         gpu = cfg.resolved_device() == "cuda"
@@ -115,9 +128,13 @@ class RayWorkerGroup:
         opts = dict(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1, runtime_env={"env_vars": env})
         def named(r):
             return {"name": f"{name_prefix}:rank{r}"} if name_prefix else {}
+        if rank0_cls is not None:
+            opts["max_concurrency"] = 8          # the host's calls run beside its loop; followers answer pings
+        self.hosted = rank0_cls is not None
         self.actors = [
-            WorkerActor.options(**opts, **named(r), scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement, placement_group_bundle_index=first_bundle + r)).remote(cfg, r)
+            (rank0_cls if (r == 0 and rank0_cls is not None) else WorkerActor).options(
+                **opts, **named(r), scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement, placement_group_bundle_index=first_bundle + r)).remote(cfg, r)
             for r in range(tp)]
         t0 = time.perf_counter()
         ip, port = ray.get(self.actors[0].node_address.remote())
@@ -133,7 +150,10 @@ class RayWorkerGroup:
         # threads (measured on 2 cores: 21.5 ms vs 12.3 ms per tiny decode step), so "auto" = compiled
         # on GPUs (1.0 vs 2.4 ms orchestration per step on H200) and plain actor calls on CPU.
         mode = envs.ORCHESTRATION.get()
-        if mode == "compiled" or (mode == "auto" and gpu):
+        self._followers = []
+        if self.hosted:                           # rank 0 drives the others over torch.distributed
+            self._followers = [a.follow.remote() for a in self.actors[1:]]
+        elif mode == "compiled" or (mode == "auto" and gpu):
             self._dag = self._compile()
 
     def _compile(self):
@@ -151,6 +171,8 @@ class RayWorkerGroup:
 
     @property
     def orchestration(self) -> str:
+        if self.hosted:
+            return "engine_in_rank0"
         return "compiled_graph" if self._dag is not None else "actor_calls"
 
     def execute(self, step: SchedulerOutput):

@@ -1,0 +1,168 @@
+"""Where the Router's engine runs, behind one interface: `LocalEngine` (the `EngineCore` in the Router's
+process, one Ray call per step to the rank actors) or `RemoteEngine` (the engine loop inside rank 0's
+actor, `serve/engine_host.py`: no Ray call per step; `engine_in_worker: true`).
+
+Both validate requests synchronously (bad input fails fast, before a stream exists), take adds and
+aborts without blocking, and drive `publish(StepBatch)` once per engine step from `run()`, which
+returns only when the engine died (raising its cause).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import ray
+
+from glm_ray.config import EngineConfig
+from glm_ray.engine.engine_core import EngineCore, summarize_steps, validate_request
+from glm_ray.engine.errors import EngineOverloadedError
+from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.engine.tokenizer import load_tokenizer
+from glm_ray.serve.engine_host import EngineHostActor, StepBatch
+from glm_ray.worker.worker_group import RayWorkerGroup
+
+logger = logging.getLogger(__name__)
+
+
+class LocalEngine:
+    """The engine in the Router's process; `engine.step()` on one dedicated thread, adds and aborts
+    applied between steps on the event loop."""
+
+    def __init__(self, cfg: EngineConfig, model_path: str, name_prefix: str | None):
+        self.cfg = cfg
+        self.executor = RayWorkerGroup(cfg, name_prefix=name_prefix)
+        self.engine = EngineCore(cfg, self.executor, load_tokenizer(model_path))
+        self.max_model_len, self.vocab_size = self.engine.max_model_len, self.engine.model_cfg.vocab_size
+        self._adds: list[tuple[str, list[int], SamplingParams, int]] = []
+        self._aborts: list[str] = []
+        self._wakeup = asyncio.Event()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._last_ok = time.monotonic()
+
+    @property
+    def orchestration(self) -> str:
+        return self.executor.orchestration
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        return self.engine.validate_request(prompt_token_ids, params)
+
+    def check_capacity(self, in_flight: int) -> None:
+        self.engine.check_capacity(pending=len(self._adds))
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
+        self._adds.append((request_id, prompt_token_ids, params, max_tokens))
+        self._wakeup.set()
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+        self._wakeup.set()
+
+    def _batch(self, deltas, rejected) -> StepBatch:
+        e, s = self.engine, self.engine.last_stats
+        return StepBatch(deltas=deltas, rejected=rejected, running=len(e.scheduler.running),
+                         waiting=len(e.scheduler.waiting), kv_usage=e.kv.usage(),
+                         num_prefill_tokens=s.num_prefill_tokens, num_decode_seqs=s.num_decode_seqs,
+                         num_preempted=s.num_preempted)
+
+    def _apply(self) -> dict[str, BaseException]:
+        rejected: dict[str, BaseException] = {}
+        adds, self._adds = self._adds, []
+        for rid, ids, params, max_tokens in adds:
+            try:
+                self.engine.add_request(rid, ids, params, max_tokens=max_tokens)
+            except Exception as e:  # noqa: BLE001 - whatever it is, it ends this request's stream
+                rejected[rid] = e
+        aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            self.engine.abort(rid)
+        return rejected
+
+    async def run(self, publish: Callable[[StepBatch], None]) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            rejected = self._apply()
+            if rejected:
+                publish(self._batch([], rejected))
+            if not self.engine.has_unfinished():
+                self._wakeup.clear()
+                if self._adds or self._aborts:
+                    continue
+                try:   # idle: wake up now and then so gauges are refreshed (Ray drops stale gauges)
+                    await asyncio.wait_for(self._wakeup.wait(), timeout=4.0)
+                except asyncio.TimeoutError:
+                    publish(self._batch([], {}))
+                continue
+            deltas = await loop.run_in_executor(self._thread, self.engine.step)   # raises: the engine is dead
+            self._last_ok = time.monotonic()
+            publish(self._batch(deltas, {}))
+
+    async def health(self) -> None:
+        if not self.engine.has_unfinished() and not self._adds and time.monotonic() - self._last_ok > 5:
+            # idle: probe every rank with an empty step, on the engine thread
+            await asyncio.get_running_loop().run_in_executor(self._thread, self.executor.check_health)
+            self._last_ok = time.monotonic()
+
+    async def stats(self) -> dict:
+        e, s = self.engine, self.engine.last_stats
+        return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting), "kv_usage": e.kv.usage(),
+                "num_preemptions": e.num_preemptions, "kv_capacity_tokens": e.kv.capacity_tokens,
+                "max_model_len": e.max_model_len,
+                "last_step": {"schedule_s": s.schedule_s, "execute_s": s.execute_s, "update_s": s.update_s,
+                              "worker": s.worker_timings, "num_tokens": s.num_tokens},
+                "decode_steps": summarize_steps(list(e.step_history)), "orchestration": self.orchestration}
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+class RemoteEngine:
+    """The engine loop inside rank 0's actor (`EngineHost`): adds / aborts are fire-and-forget actor
+    calls, the step outputs one streamed `StepBatch` per step."""
+
+    orchestration = "engine_in_rank0"
+
+    def __init__(self, cfg: EngineConfig, model_path: str, name_prefix: str | None):
+        self.cfg = cfg
+        self.group = RayWorkerGroup(cfg, name_prefix=name_prefix, rank0_cls=EngineHostActor)
+        self.host = self.group.actors[0]
+        info = ray.get(self.host.start.remote(self.group.num_blocks, model_path))
+        self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
+        self.model_cfg = self.group.model_cfg
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        return validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+
+    def check_capacity(self, in_flight: int) -> None:
+        """The queue-full rule on the Router's side: requests in flight (running + waiting + being
+        added) against running + waiting capacity."""
+        sc = self.cfg.scheduler
+        if in_flight >= sc.max_waiting + sc.max_num_seqs:
+            raise EngineOverloadedError("the engine queue is full; retry later", retry_after_s=1.0)
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
+        self.host.add.remote(request_id, prompt_token_ids, params, max_tokens)
+
+    def abort(self, request_id: str) -> None:
+        self.host.abort.remote(request_id)
+
+    async def run(self, publish: Callable[[StepBatch], None]) -> None:
+        gen = self.host.outputs.options(num_returns="streaming").remote()
+        async for ref in gen:
+            publish(await ref)                         # raises the engine's exception when it died
+        raise RuntimeError("the engine loop stopped")
+
+    async def health(self) -> None:
+        await asyncio.wait_for(self.host.health.remote(), timeout=30)
+
+    async def stats(self) -> dict:
+        return await self.host.stats.remote()
+
+    def shutdown(self) -> None:
+        try:
+            self.host.stop.remote()
+        except Exception:  # noqa: BLE001 - best effort; the actors are killed next
+            pass
+        self.group.shutdown()

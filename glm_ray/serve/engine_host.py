@@ -1,0 +1,174 @@
+"""The engine loop beside rank 0's GPU: `EngineHost` is rank 0 of a TP group (a `RankActor`) that also
+owns the `EngineCore` and runs its step loop on a thread of its own process — no Ray call per step.
+
+The Router talks to it asynchronously: `add` / `abort` calls in (queued, applied between steps), one
+message per step out (`outputs`, a Ray streaming generator yielding `StepBatch`: the step's token
+deltas, the requests whose admission failed, the scheduler gauges). At TP > 1 rank 0's executor hands
+each step's `SchedulerOutput` to ranks 1..N-1 over torch.distributed (`worker/step_channel.py`); those
+ranks run `RankActor.follow`. A failing step fails its requests (the engine goes on); an executor
+failure (a lost rank, a transport timeout) ends the loop: `outputs` raises, `health` raises, Serve
+replaces the replica.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from glm_ray.engine.engine_core import EngineCore, summarize_steps
+from glm_ray.engine.outputs import TokenDelta
+from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.engine.tokenizer import load_tokenizer
+from glm_ray.worker.worker_group import RankActor
+
+logger = logging.getLogger(__name__)
+
+_IDLE_TICK_S = 4.0        # an idle loop still publishes gauges this often (Ray drops stale gauges)
+
+
+@dataclass
+class StepBatch:
+    """One step's worth of output for the Router (plain data: it crosses a process)."""
+    deltas: list[TokenDelta] = field(default_factory=list)
+    rejected: dict[str, BaseException] = field(default_factory=dict)   # admission failures, by request id
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_seqs: int = 0
+    num_preempted: int = 0
+
+
+class _OneRank:
+    """The executor of a TP=1 engine host: its own worker, in process."""
+
+    def __init__(self, worker, num_blocks: int):
+        self.worker, self.num_blocks, self.model_cfg = worker, num_blocks, worker.model_cfg
+
+    def execute(self, step):
+        return self.worker.execute(step)
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+class EngineHost(RankActor):
+    """Rank 0 + the engine. Construct through `RayWorkerGroup(..., rank0_cls=EngineHostActor)`; then
+    `start(num_blocks, tokenizer_path)` once every rank has its cache."""
+
+    def start(self, num_blocks: int, tokenizer_path: str | None) -> dict:
+        tp = self.cfg.parallel.tensor_parallel_size
+        if tp > 1:
+            from glm_ray.worker.step_channel import BroadcastExecutor, StepChannel  # noqa: PLC0415 - TP>1 only
+            executor = BroadcastExecutor(self.worker, StepChannel())
+        else:
+            executor = _OneRank(self.worker, num_blocks)
+        self.engine = EngineCore(self.cfg, executor, load_tokenizer(tokenizer_path) if tokenizer_path else None)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._adds: list[tuple[str, list[int], SamplingParams, int]] = []
+        self._aborts: list[str] = []
+        self._out: queue.Queue = queue.Queue()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+        return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.model_cfg.vocab_size,
+                "num_blocks": num_blocks}
+
+    # ---- calls from the Router --------------------------------------------------------------
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
+        with self._lock:
+            self._adds.append((request_id, prompt_token_ids, params, max_tokens))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    def outputs(self):
+        """Streaming generator: one `StepBatch` per engine step (and per idle tick) until the loop ends;
+        raises the loop's exception when the engine died."""
+        while True:
+            item = self._out.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                return
+            yield item
+
+    def health(self) -> None:
+        if self._dead is not None:
+            raise RuntimeError(f"the engine loop ended: {type(self._dead).__name__}: {self._dead}")
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine loop thread is gone")
+
+    def stats(self) -> dict:
+        e = self.engine
+        s = e.last_stats
+        return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting), "kv_usage": e.kv.usage(),
+                "num_preemptions": e.num_preemptions, "kv_capacity_tokens": e.kv.capacity_tokens,
+                "max_model_len": e.max_model_len,
+                "last_step": {"schedule_s": s.schedule_s, "execute_s": s.execute_s, "update_s": s.update_s,
+                              "worker": s.worker_timings, "num_tokens": s.num_tokens},
+                "decode_steps": summarize_steps(list(e.step_history)), "orchestration": "engine_in_rank0"}
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    # ---- the loop (its own thread) ------------------------------------------------------------
+    def _apply(self, batch: StepBatch) -> None:
+        with self._lock:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+        for rid, ids, params, max_tokens in adds:
+            try:
+                self.engine.add_request(rid, ids, params, max_tokens=max_tokens)
+            except Exception as e:  # noqa: BLE001 - it ends this request's stream, with its own status
+                batch.rejected[rid] = e
+        for rid in aborts:
+            self.engine.abort(rid)
+
+    def _batch(self, deltas, batch: StepBatch) -> StepBatch:
+        e = self.engine
+        s = e.last_stats
+        batch.deltas = deltas
+        batch.running, batch.waiting, batch.kv_usage = len(e.scheduler.running), len(e.scheduler.waiting), e.kv.usage()
+        batch.num_prefill_tokens, batch.num_decode_seqs, batch.num_preempted = (s.num_prefill_tokens,
+                                                                               s.num_decode_seqs, s.num_preempted)
+        return batch
+
+    def _loop(self) -> None:
+        last = time.monotonic()
+        try:
+            while not getattr(self, "_stopping", False):
+                batch = StepBatch()
+                self._apply(batch)
+                if not self.engine.has_unfinished():
+                    if batch.rejected or time.monotonic() - last > _IDLE_TICK_S:
+                        self._out.put(self._batch([], batch))
+                        last = time.monotonic()
+                    self._wake.wait(timeout=_IDLE_TICK_S)
+                    self._wake.clear()
+                    continue
+                deltas = self.engine.step()
+                self._out.put(self._batch(deltas, batch))
+                last = time.monotonic()
+        except BaseException as e:  # noqa: BLE001 - an executor failure: the engine is dead
+            logger.exception("engine loop failed")
+            self._dead = e
+            self._out.put(e)
+            return
+        self.engine.executor.shutdown()           # TP > 1: the followers leave their loops
+        self._out.put(None)
+
+
+EngineHostActor = ray.remote(EngineHost)
