@@ -54,8 +54,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share of GPU memory for weights + activations + KV cache (KV gets what is left)")
     p.add_argument("--fp8-proj-gemm", action="store_true", default=None,
                    help="prefill-only FP8 GEMM for MLA q_b_proj/o_proj (also GLM_RAY_FP8_PROJ_GEMM=1)")
-    p.add_argument("--engine-in-worker", action="store_true",
-                   help="run the engine's step loop inside rank 0's worker (no Ray call per step; issue #19)")
+    p.add_argument("--engine-in-router", action="store_true",
+                   help="run the engine's step loop in the Router, with a Ray call per step to the ranks (the "
+                        "default runs it inside rank 0's worker, beside its GPU)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly (no CUDA graphs; they are on by default on NVIDIA GPUs)")
     p.add_argument("--fp8-proj-min-tokens", type=int, default=512,
@@ -117,8 +118,8 @@ def serve_app_args(a) -> dict:
         args["fp8_proj_gemm"] = True
     if a.enforce_eager:
         args["enforce_eager"] = True
-    if getattr(a, "engine_in_worker", False):
-        args["engine_in_worker"] = True
+    if getattr(a, "engine_in_router", False):
+        args["engine_in_worker"] = False
     if a.served_model_name:
         args["served_model_name"] = a.served_model_name
     if a.api_key:

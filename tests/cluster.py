@@ -88,7 +88,9 @@ def start(tmp: Path, extra_apps: list[dict], timeout: float = 600) -> Cluster:
                                             "dashboard-agent-grpc-port", "runtime-env-agent-port",
                                             "node-manager-port", "object-manager-port")}
     subprocess.run([_bin("ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-                    "--num-cpus=16", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                    # logical CPUs: every test app's placement group (~16) plus room for a rolling
+                    # update's new replica beside the draining old one
+                    "--num-cpus=24", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                     f"--dashboard-port={dash_port}", f"--metrics-export-port={metrics_port}",
                     "--object-store-memory=300000000", "--disable-usage-stats",
                     *(f"--{k}={v}" for k, v in other.items())],
