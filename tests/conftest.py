@@ -63,9 +63,10 @@ SECURE_API_KEY = "test-key-7f3a"
 
 EXTRA_APPS = [
     {"name": "tp2", "route_prefix": "/tp2", "args": {"tp": 2, "served_model_name": "glm5-tiny-tp2"}},
-    # the engine loop inside rank 0's actor, steps handed to rank 1 over gloo (tests/serve/test_engine_in_worker.py)
-    {"name": "inworker", "route_prefix": "/inworker", "args": {"tp": 2, "engine_in_worker": True, "max_num_seqs": 4,
-                                                               "served_model_name": "glm5-tiny-inworker"}},
+    # the engine loop in the Router, a Ray call per step to the ranks (tests/serve/test_engine_location.py;
+    # every other app runs the default: the loop in rank 0's actor)
+    {"name": "inrouter", "route_prefix": "/inrouter", "args": {"tp": 2, "engine_in_worker": False, "max_num_seqs": 4,
+                                                               "served_model_name": "glm5-tiny-inrouter"}},
     {"name": "fp8on", "route_prefix": "/fp8on", "args": {"fp8_proj_gemm": True,
                                                          "served_model_name": "glm5-tiny-fp8on"}},
     # one running + one waiting request at most: for the overload (503) and worker-death tests
@@ -112,8 +113,8 @@ def tp2_server(serve_cluster):
 
 
 @pytest.fixture(scope="session")
-def inworker_server(serve_cluster):
-    return serve_cluster.apps["inworker"]
+def inrouter_server(serve_cluster):
+    return serve_cluster.apps["inrouter"]
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
-"""The engine loop inside rank 0's worker actor (`engine_in_worker: true`, serve/engine_host.py), TP=2 with
-each step handed to rank 1 over gloo: through the OpenAI API it serves exactly what the Router-hosted
-engine serves (greedy tokens equal, logprobs within 1e-4: TP changes only the reduction order of the
-partial sums), streams, fans out n, goes on after a client aborts mid-stream, and answers bad input with 400."""
+"""Both places the engine loop can run serve the same thing: the default (inside rank 0's worker actor,
+serve/engine_host.py; the "tp2" app: each step handed to rank 1 over gloo) and the Router-hosted engine
+(`engine_in_worker: false`, the "inrouter" app, TP=2, a Ray call per step): greedy tokens equal the
+default TP=1 app's, logprobs within 1e-4 (TP changes only the reduction order of the partial sums); both
+stream, fan out n, go on after a client aborts mid-stream, and answer bad input with 400."""
 from __future__ import annotations
 
 import urllib.request
@@ -21,11 +22,16 @@ def _prompt(n):
     return torch.randint(10, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
 
 
+@pytest.fixture(params=["tp2", "inrouter"])
+def app(request, serve_cluster):
+    return serve_cluster.apps[request.param]
+
+
 @pytest.mark.parametrize("n", [7, 33])
-def test_in_worker_engine_matches_the_router_engine(tiny_server, inworker_server, n):
+def test_tp2_in_either_place_matches_tp1(tiny_server, app, n):
     outs = []
-    for app in (tiny_server, inworker_server):
-        r = _client(app).completions.create(model=app.model, prompt=_prompt(n), max_tokens=20, temperature=0,
+    for a in (tiny_server, app):
+        r = _client(a).completions.create(model=a.model, prompt=_prompt(n), max_tokens=20, temperature=0,
                                             logprobs=2, extra_body={"ignore_eos": True})
         outs.append(r.choices[0])
     a, b = outs
@@ -33,9 +39,9 @@ def test_in_worker_engine_matches_the_router_engine(tiny_server, inworker_server
     assert max(abs(x - y) for x, y in zip(a.logprobs.token_logprobs, b.logprobs.token_logprobs)) < 1e-4
 
 
-def test_concurrent_streams_and_n(inworker_server):
-    c = _client(inworker_server)
-    m = inworker_server.model
+def test_concurrent_streams_and_n(app):
+    c = _client(app)
+    m = app.model
 
     def full(n):
         return c.completions.create(model=m, prompt=_prompt(n), max_tokens=12, temperature=0,
@@ -53,18 +59,18 @@ def test_concurrent_streams_and_n(inworker_server):
     assert sorted(ch.index for ch in r.choices) == [0, 1, 2] and r.usage.completion_tokens == 18
 
 
-def test_abort_frees_and_bad_input_is_400(inworker_server):
-    c = _client(inworker_server)
-    s = c.completions.create(model=inworker_server.model, prompt=_prompt(9), max_tokens=500, stream=True,
+def test_abort_and_bad_input(app):
+    c = _client(app)
+    s = c.completions.create(model=app.model, prompt=_prompt(9), max_tokens=500, stream=True,
                              extra_body={"ignore_eos": True})
     for i, _ in enumerate(s):
         if i == 3:
             break
     s.close()                                            # client goes away mid-stream
     with pytest.raises(openai.BadRequestError):
-        c.completions.create(model=inworker_server.model, prompt=[10**9], max_tokens=4)
+        c.completions.create(model=app.model, prompt=[10**9], max_tokens=4)
     # the engine goes on serving after the abort and the rejected request
-    r = c.completions.create(model=inworker_server.model, prompt=_prompt(5), max_tokens=4)
+    r = c.completions.create(model=app.model, prompt=_prompt(5), max_tokens=4)
     assert r.choices[0].finish_reason == "length"
-    with urllib.request.urlopen(inworker_server.base_url + "/health", timeout=30) as h:
+    with urllib.request.urlopen(app.base_url + "/health", timeout=30) as h:
         assert h.status == 200
