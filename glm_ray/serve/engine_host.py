@@ -105,10 +105,17 @@ class EngineHost(RankActor):
             yield item
 
     def health(self) -> None:
+        """Raises when the loop ended; while the engine idles, also probes the other ranks with an empty
+        step (at most every 5 s; BroadcastExecutor serializes it with the loop's steps), so a lost rank
+        shows before the next request rather than with it."""
         if self._dead is not None:
             raise RuntimeError(f"the engine loop ended: {type(self._dead).__name__}: {self._dead}")
         if not self._thread.is_alive():
             raise RuntimeError("the engine loop thread is gone")
+        now = time.monotonic()
+        if not self.engine.has_unfinished() and now - getattr(self, "_probed", 0.0) > 5:
+            self.engine.executor.check_health()
+            self._probed = now
 
     def stats(self) -> dict:
         e = self.engine
