@@ -133,16 +133,25 @@ class EngineHost(RankActor):
 
     # ---- the loop (its own thread) ------------------------------------------------------------
     def _apply(self, batch: StepBatch) -> None:
+        """Queued adds and aborts. Calls into a threaded actor are not ordered, so an abort may arrive
+        before its add: it is remembered (a minute) and the add is dropped."""
         with self._lock:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
+        now = time.monotonic()
+        orphans = self._orphans = {r: t for r, t in getattr(self, "_orphans", {}).items() if now - t < 60}
+        early = set(aborts)
         for rid, ids, params, max_tokens in adds:
+            if rid in early or orphans.pop(rid, None) is not None:
+                early.discard(rid)
+                continue
             try:
                 self.engine.add_request(rid, ids, params, max_tokens=max_tokens)
             except Exception as e:  # noqa: BLE001 - it ends this request's stream, with its own status
                 batch.rejected[rid] = e
         for rid in aborts:
-            self.engine.abort(rid)
+            if not self.engine.abort(rid) and rid in early:   # neither running nor added yet: its add may follow
+                orphans[rid] = now
 
     def _batch(self, deltas, batch: StepBatch) -> StepBatch:
         e = self.engine
