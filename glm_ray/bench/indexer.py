@@ -15,11 +15,11 @@ Bytes (scores kernel): keys B * ctx * di * 2 + block table B * nb * 4 + qi B * H
 from __future__ import annotations
 
 import argparse
-import statistics
 from functools import partial
 
 import torch
 
+from glm_ray.bench.gpu_timing import graph_replay_us
 from glm_ray.bench.table import append_rows, print_rows
 
 HBM_TBPS = 4.2
@@ -30,30 +30,6 @@ def _kernels():
     """The kernel module (imports triton): loaded on first use, so --help needs neither triton nor a GPU."""
     from glm_ray.kernels.cuda import indexer  # noqa: PLC0415 - lazy: triton only when benchmarking
     return indexer
-
-
-def _time_graph(fn, iters: int, flush: torch.Tensor | None) -> float:
-    """Median microseconds of one replay of `fn` captured in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):                                   # warm-up: compile + allocator
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(iters):
-        if flush is not None:
-            flush.zero_()                                        # evict the keys from L2
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 @torch.inference_mode()
@@ -75,8 +51,8 @@ def run(batches: list[int], contexts: list[int], *, heads: int = 32, head_dim: i
             w = torch.randn(B, heads, generator=g, device=dev) * heads ** -0.5
 
             args = (qi, w, key_cache, bt, cl, block_size)
-            t_s = _time_graph(partial(K.indexer_decode_scores, *args, kmax), iters, buf)
-            t_all = _time_graph(partial(K.indexer_decode_topk, *args, topk, kmax), iters, buf)
+            t_s = graph_replay_us(partial(K.indexer_decode_scores, *args, kmax), iters, buf)
+            t_all = graph_replay_us(partial(K.indexer_decode_topk, *args, topk, kmax), iters, buf)
             nbytes = (B * ctx * head_dim * key_cache.element_size() + B * nb * 4
                       + B * heads * head_dim * qi.element_size() + B * heads * 4 + B * kmax * 4)
             tbps = nbytes / (t_s * 1e-6) / 1e12

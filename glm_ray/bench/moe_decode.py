@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 from functools import partial
 
 import torch
 
+from glm_ray.bench.gpu_timing import graph_replay_us
 from glm_ray.bench.table import append_rows, print_rows
 
 HBM_TBPS = 4.2
@@ -37,30 +37,6 @@ def _kernels():
     """(moe_decode, triton_kernels) — imports triton on first use, so --help needs neither triton nor a GPU."""
     from glm_ray.kernels.cuda import moe_decode, triton_kernels  # noqa: PLC0415 - lazy: triton only to benchmark
     return moe_decode, triton_kernels
-
-
-def _time_graph(fn, iters: int, flush: torch.Tensor | None) -> float:
-    """Median microseconds of one replay of `fn` captured in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):                                   # warm-up: compile + allocator
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(iters):
-        if flush is not None:
-            flush.zero_()                                        # evict the experts from L2
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def _experts(geo: dict, w_mode: str, dev: torch.device, gen: torch.Generator):
@@ -109,8 +85,8 @@ def run(geos: list[str], modes: list[str], tokens: list[int], *, iters: int = 50
                 if overrides:
                     cfg = dataclasses.replace(cfg, **overrides)
                 kw = dict(w_mode=w_mode, w13_scale=s13, w2_scale=s2)
-                t_dec = _time_graph(partial(md.fused_moe_decode, x, w13, w2, tw, ids, config=cfg, **kw), iters, buf)
-                t_grp = _time_graph(partial(tk.fused_moe_triton, x, w13, w2, tw, ids, **kw), iters, buf)
+                t_dec = graph_replay_us(partial(md.fused_moe_decode, x, w13, w2, tw, ids, config=cfg, **kw), iters, buf)
+                t_grp = graph_replay_us(partial(tk.fused_moe_triton, x, w13, w2, tw, ids, **kw), iters, buf)
                 distinct = int(torch.unique(ids).numel())       # host sync: benchmark bookkeeping only
                 nbytes = distinct * _expert_bytes(geo, w_mode)
                 dec_tbps = nbytes / (t_dec * 1e-6) / 1e12

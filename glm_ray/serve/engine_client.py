@@ -17,11 +17,11 @@ from typing import Callable
 import ray
 
 from glm_ray.config import EngineConfig
-from glm_ray.engine.engine_core import EngineCore, summarize_steps, validate_request
+from glm_ray.engine.engine_core import EngineCore, validate_request
 from glm_ray.engine.errors import EngineOverloadedError
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.tokenizer import load_tokenizer
-from glm_ray.serve.engine_host import EngineHostActor, StepBatch
+from glm_ray.serve.engine_host import Admission, EngineHostActor, StepBatch, engine_stats, step_batch
 from glm_ray.worker.worker_group import RayWorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -36,8 +36,7 @@ class LocalEngine:
         self.executor = RayWorkerGroup(cfg, name_prefix=name_prefix)
         self.engine = EngineCore(cfg, self.executor, load_tokenizer(model_path))
         self.max_model_len, self.vocab_size = self.engine.max_model_len, self.engine.model_cfg.vocab_size
-        self._adds: list[tuple[str, list[int], SamplingParams, int]] = []
-        self._aborts: list[str] = []
+        self.admission = Admission()
         self._wakeup = asyncio.Event()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._last_ok = time.monotonic()
@@ -50,69 +49,43 @@ class LocalEngine:
         return self.engine.validate_request(prompt_token_ids, params)
 
     def check_capacity(self, in_flight: int) -> None:
-        self.engine.check_capacity(pending=len(self._adds))
+        self.engine.check_capacity(pending=self.admission.num_adds)
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
-        self._adds.append((request_id, prompt_token_ids, params, max_tokens))
+        self.admission.add(request_id, prompt_token_ids, params, max_tokens)
         self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
-        self._aborts.append(request_id)
+        self.admission.abort(request_id)
         self._wakeup.set()
-
-    def _batch(self, deltas, rejected) -> StepBatch:
-        e, s = self.engine, self.engine.last_stats
-        return StepBatch(deltas=deltas, rejected=rejected, running=len(e.scheduler.running),
-                         waiting=len(e.scheduler.waiting), kv_usage=e.kv.usage(),
-                         num_prefill_tokens=s.num_prefill_tokens, num_decode_seqs=s.num_decode_seqs,
-                         num_preempted=s.num_preempted)
-
-    def _apply(self) -> dict[str, BaseException]:
-        rejected: dict[str, BaseException] = {}
-        adds, self._adds = self._adds, []
-        for rid, ids, params, max_tokens in adds:
-            try:
-                self.engine.add_request(rid, ids, params, max_tokens=max_tokens)
-            except Exception as e:  # noqa: BLE001 - whatever it is, it ends this request's stream
-                rejected[rid] = e
-        aborts, self._aborts = self._aborts, []
-        for rid in aborts:
-            self.engine.abort(rid)
-        return rejected
 
     async def run(self, publish: Callable[[StepBatch], None]) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            rejected = self._apply()
+            rejected = self.admission.apply(self.engine)
             if rejected:
-                publish(self._batch([], rejected))
+                publish(step_batch(self.engine, [], rejected))
             if not self.engine.has_unfinished():
                 self._wakeup.clear()
-                if self._adds or self._aborts:
+                if self.admission.pending():
                     continue
                 try:   # idle: wake up now and then so gauges are refreshed (Ray drops stale gauges)
                     await asyncio.wait_for(self._wakeup.wait(), timeout=4.0)
                 except asyncio.TimeoutError:
-                    publish(self._batch([], {}))
+                    publish(step_batch(self.engine, [], {}))
                 continue
             deltas = await loop.run_in_executor(self._thread, self.engine.step)   # raises: the engine is dead
             self._last_ok = time.monotonic()
-            publish(self._batch(deltas, {}))
+            publish(step_batch(self.engine, deltas, {}))
 
     async def health(self) -> None:
-        if not self.engine.has_unfinished() and not self._adds and time.monotonic() - self._last_ok > 5:
+        if not self.engine.has_unfinished() and not self.admission.pending() and time.monotonic() - self._last_ok > 5:
             # idle: probe every rank with an empty step, on the engine thread
             await asyncio.get_running_loop().run_in_executor(self._thread, self.executor.check_health)
             self._last_ok = time.monotonic()
 
     async def stats(self) -> dict:
-        e, s = self.engine, self.engine.last_stats
-        return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting), "kv_usage": e.kv.usage(),
-                "num_preemptions": e.num_preemptions, "kv_capacity_tokens": e.kv.capacity_tokens,
-                "max_model_len": e.max_model_len,
-                "last_step": {"schedule_s": s.schedule_s, "execute_s": s.execute_s, "update_s": s.update_s,
-                              "worker": s.worker_timings, "num_tokens": s.num_tokens},
-                "decode_steps": summarize_steps(list(e.step_history)), "orchestration": self.orchestration}
+        return engine_stats(self.engine, self.orchestration)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

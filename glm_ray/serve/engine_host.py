@@ -23,6 +23,7 @@ from glm_ray.engine.engine_core import EngineCore, summarize_steps
 from glm_ray.engine.outputs import TokenDelta
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.tokenizer import load_tokenizer
+from glm_ray.worker.executor import LocalExecutor
 from glm_ray.worker.worker_group import RankActor
 
 logger = logging.getLogger(__name__)
@@ -43,20 +44,73 @@ class StepBatch:
     num_preempted: int = 0
 
 
-class _OneRank:
-    """The executor of a TP=1 engine host: its own worker, in process."""
+def step_batch(engine: EngineCore, deltas: list[TokenDelta], rejected: dict[str, BaseException]) -> StepBatch:
+    """The StepBatch of the step `engine` just ran (or of an idle tick)."""
+    s = engine.last_stats
+    return StepBatch(deltas=deltas, rejected=rejected, running=len(engine.scheduler.running),
+                     waiting=len(engine.scheduler.waiting), kv_usage=engine.kv.usage(),
+                     num_prefill_tokens=s.num_prefill_tokens, num_decode_seqs=s.num_decode_seqs,
+                     num_preempted=s.num_preempted)
 
-    def __init__(self, worker, num_blocks: int):
-        self.worker, self.num_blocks, self.model_cfg = worker, num_blocks, worker.model_cfg
 
-    def execute(self, step):
-        return self.worker.execute(step)
+def engine_stats(engine: EngineCore, orchestration: str) -> dict:
+    """The Router's `stats()` answer: gauges, the last step's split, recent decode-step medians."""
+    e, s = engine, engine.last_stats
+    return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting), "kv_usage": e.kv.usage(),
+            "num_preemptions": e.num_preemptions, "kv_capacity_tokens": e.kv.capacity_tokens,
+            "max_model_len": e.max_model_len,
+            "last_step": {"schedule_s": s.schedule_s, "execute_s": s.execute_s, "update_s": s.update_s,
+                          "worker": s.worker_timings, "num_tokens": s.num_tokens},
+            "decode_steps": summarize_steps(list(e.step_history)), "orchestration": orchestration}
 
-    def check_health(self) -> None:
-        return None
 
-    def shutdown(self) -> None:
-        return None
+class Admission:
+    """Adds and aborts queued from any thread, applied to the engine between steps. Calls into a
+    threaded actor are not ordered, so an abort may arrive before its add: it is remembered (a minute)
+    and the add is dropped."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._adds: list[tuple[str, list[int], SamplingParams, int]] = []
+        self._aborts: list[str] = []
+        self.orphans: dict[str, float] = {}                # early aborts -> when they came
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
+        with self._lock:
+            self._adds.append((request_id, prompt_token_ids, params, max_tokens))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def pending(self) -> bool:
+        return bool(self._adds or self._aborts)
+
+    @property
+    def num_adds(self) -> int:
+        return len(self._adds)
+
+    def apply(self, engine: EngineCore) -> dict[str, BaseException]:
+        """Apply what is queued; returns the adds the engine refused, by request id."""
+        with self._lock:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+        now = time.monotonic()
+        orphans = self.orphans = {r: t for r, t in self.orphans.items() if now - t < 60}
+        early = set(aborts)
+        rejected: dict[str, BaseException] = {}
+        for rid, ids, params, max_tokens in adds:
+            if rid in early or orphans.pop(rid, None) is not None:
+                early.discard(rid)
+                continue
+            try:
+                engine.add_request(rid, ids, params, max_tokens=max_tokens)
+            except Exception as e:  # noqa: BLE001 - it ends this request's stream, with its own status
+                rejected[rid] = e
+        for rid in aborts:
+            if not engine.abort(rid) and rid in early:     # neither running nor added yet: its add may follow
+                orphans[rid] = now
+        return rejected
 
 
 class EngineHost(RankActor):
@@ -69,12 +123,10 @@ class EngineHost(RankActor):
             from glm_ray.worker.step_channel import BroadcastExecutor, StepChannel  # noqa: PLC0415 - TP>1 only
             executor = BroadcastExecutor(self.worker, StepChannel())
         else:
-            executor = _OneRank(self.worker, num_blocks)
+            executor = LocalExecutor(self.cfg, worker=self.worker, num_blocks=num_blocks)
         self.engine = EngineCore(self.cfg, executor, load_tokenizer(tokenizer_path) if tokenizer_path else None)
-        self._lock = threading.Lock()
+        self.admission = Admission()
         self._wake = threading.Event()
-        self._adds: list[tuple[str, list[int], SamplingParams, int]] = []
-        self._aborts: list[str] = []
         self._out: queue.Queue = queue.Queue()
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -84,13 +136,11 @@ class EngineHost(RankActor):
 
     # ---- calls from the Router --------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
-        with self._lock:
-            self._adds.append((request_id, prompt_token_ids, params, max_tokens))
+        self.admission.add(request_id, prompt_token_ids, params, max_tokens)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._aborts.append(request_id)
+        self.admission.abort(request_id)
         self._wake.set()
 
     def outputs(self):
@@ -118,65 +168,27 @@ class EngineHost(RankActor):
             self._probed = now
 
     def stats(self) -> dict:
-        e = self.engine
-        s = e.last_stats
-        return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting), "kv_usage": e.kv.usage(),
-                "num_preemptions": e.num_preemptions, "kv_capacity_tokens": e.kv.capacity_tokens,
-                "max_model_len": e.max_model_len,
-                "last_step": {"schedule_s": s.schedule_s, "execute_s": s.execute_s, "update_s": s.update_s,
-                              "worker": s.worker_timings, "num_tokens": s.num_tokens},
-                "decode_steps": summarize_steps(list(e.step_history)), "orchestration": "engine_in_rank0"}
+        return engine_stats(self.engine, "engine_in_rank0")
 
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
 
     # ---- the loop (its own thread) ------------------------------------------------------------
-    def _apply(self, batch: StepBatch) -> None:
-        """Queued adds and aborts. Calls into a threaded actor are not ordered, so an abort may arrive
-        before its add: it is remembered (a minute) and the add is dropped."""
-        with self._lock:
-            adds, self._adds = self._adds, []
-            aborts, self._aborts = self._aborts, []
-        now = time.monotonic()
-        orphans = self._orphans = {r: t for r, t in getattr(self, "_orphans", {}).items() if now - t < 60}
-        early = set(aborts)
-        for rid, ids, params, max_tokens in adds:
-            if rid in early or orphans.pop(rid, None) is not None:
-                early.discard(rid)
-                continue
-            try:
-                self.engine.add_request(rid, ids, params, max_tokens=max_tokens)
-            except Exception as e:  # noqa: BLE001 - it ends this request's stream, with its own status
-                batch.rejected[rid] = e
-        for rid in aborts:
-            if not self.engine.abort(rid) and rid in early:   # neither running nor added yet: its add may follow
-                orphans[rid] = now
-
-    def _batch(self, deltas, batch: StepBatch) -> StepBatch:
-        e = self.engine
-        s = e.last_stats
-        batch.deltas = deltas
-        batch.running, batch.waiting, batch.kv_usage = len(e.scheduler.running), len(e.scheduler.waiting), e.kv.usage()
-        batch.num_prefill_tokens, batch.num_decode_seqs, batch.num_preempted = (s.num_prefill_tokens,
-                                                                               s.num_decode_seqs, s.num_preempted)
-        return batch
-
     def _loop(self) -> None:
         last = time.monotonic()
         try:
             while not getattr(self, "_stopping", False):
-                batch = StepBatch()
-                self._apply(batch)
+                rejected = self.admission.apply(self.engine)
                 if not self.engine.has_unfinished():
-                    if batch.rejected or time.monotonic() - last > _IDLE_TICK_S:
-                        self._out.put(self._batch([], batch))
+                    if rejected or time.monotonic() - last > _IDLE_TICK_S:
+                        self._out.put(step_batch(self.engine, [], rejected))
                         last = time.monotonic()
                     self._wake.wait(timeout=_IDLE_TICK_S)
                     self._wake.clear()
                     continue
                 deltas = self.engine.step()
-                self._out.put(self._batch(deltas, batch))
+                self._out.put(step_batch(self.engine, deltas, rejected))
                 last = time.monotonic()
         except BaseException as e:  # noqa: BLE001 - an executor failure: the engine is dead
             logger.exception("engine loop failed")

@@ -13,15 +13,18 @@ from glm_ray.worker.worker import Worker
 class LocalExecutor:
     """TP=1 in the calling process (offline LLM, tests, the CPU default)."""
 
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, worker: Worker | None = None, num_blocks: int | None = None):
+        """Builds its Worker through every start-up stage, or takes one that has its cache already
+        (`worker`, `num_blocks`: the engine host in rank 0's actor)."""
         if cfg.parallel.tensor_parallel_size != 1:
             raise ValueError("LocalExecutor runs TP=1 only; use the Ray worker group for tensor parallelism")
-        self.worker = Worker(cfg)
-        self.worker.init_device()
-        self.worker.load_model()
-        self.num_blocks = self.worker.determine_num_blocks()
-        self.worker.init_cache(self.num_blocks)
-        self.model_cfg = self.worker.model_cfg
+        if worker is None:
+            worker = Worker(cfg)
+            worker.init_device()
+            worker.load_model()
+            num_blocks = worker.determine_num_blocks()
+            worker.init_cache(num_blocks)
+        self.worker, self.num_blocks, self.model_cfg = worker, num_blocks, worker.model_cfg
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute(step)

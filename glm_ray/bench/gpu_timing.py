@@ -1,0 +1,32 @@
+"""Kernel timing shared by the decode-kernel benchmarks: one CUDA-graph replay per measurement (what a
+decode step pays: no Python launch cost), optionally with the L2 evicted first."""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def graph_replay_us(fn, iters: int, flush: torch.Tensor | None) -> float:
+    """Median microseconds of one replay of `fn` captured in a CUDA graph; `flush` (a buffer larger than
+    the L2) is zeroed before each replay so the operands come from HBM."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):                                   # warm-up: compile + allocator
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(iters):
+        if flush is not None:
+            flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
