@@ -23,6 +23,7 @@ from glm_ray.engine.contract import ModelRunnerOutput, SchedulerOutput, StepFail
 from glm_ray.engine.outputs import LogprobDict
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables
+from glm_ray.layers.indexer import Indexer
 from glm_ray.worker.cache import allocate_caches, kv_bytes_per_token
 from glm_ray.worker.cuda_graph import DecodeGraphs
 from glm_ray.worker.faults import FaultInjector, classify
@@ -71,8 +72,7 @@ class ModelRunner:
         """Decode CUDA graphs (worker/cuda_graph.py); on any capture failure, eager with an error log."""
         cfg, bs = self.cfg, self.block_size
         max_ctx = graph_max_context(cfg, self.model_cfg, num_blocks * bs)
-        topks = [m.topk for m in self.model.modules() if isinstance(getattr(m, "topk", None), int)
-                 and hasattr(m, "select")]                                  # the DSA indexers
+        topks = [m.topk for m in self.model.modules() if isinstance(m, Indexer)]   # the DSA indexers
         graphs = DecodeGraphs(self.model, self.kv_caches, self.index_caches, self.state_caches,
                               max_num_seqs=cfg.scheduler.max_num_seqs, max_blocks=-(-max_ctx // bs), block_size=bs,
                               pad_block=num_blocks, pad_state_slot=cfg.scheduler.max_num_seqs,
