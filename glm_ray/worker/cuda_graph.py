@@ -61,6 +61,8 @@ def context_buckets(max_context: int, first: int) -> list[int]:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor           # [Bp, D] output written by every replay
+    batch: ForwardBatch            # the captured batch: its index tensors (rows, q_index, packed ...) live
+                                   # outside the graph pool, and the graph reads them at every replay
 
 
 class DecodeGraphs:
@@ -124,16 +126,18 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         for B in reversed(self.buckets):
             for cap in reversed(self.capacities):
-                batch = self._batch(B, cap)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
-                    self._forward(B, batch)                                 # warm-up: autotune, self-checks, NCCL
+                    self._forward(B, self._batch(B, cap))                   # warm-up: autotune, self-checks, NCCL
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 torch.cuda.synchronize(self.device)
+                # a fresh batch: what a group derives lazily (the padded views) must be computed inside
+                # the graph from the static buffers, not reused from the warm-up's padding values
+                batch = self._batch(B, cap)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool, stream=stream):
                     hidden = self._forward(B, batch)
-                self.graphs[(B, cap)] = _Graph(g, hidden)
+                self.graphs[(B, cap)] = _Graph(g, hidden, batch)
         torch.cuda.synchronize(self.device)
         used = torch.cuda.memory_allocated(self.device) - before
         logger.info("CUDA graphs: %d decode graphs (batch %s x context capacity %s) captured in %.1f s, %.0f MiB",
