@@ -100,13 +100,14 @@ CUDA_FP8_GEMM: EnvVar[str] = EnvVar(
     "GLM_RAY_CUDA_FP8_GEMM", _choice("scaled_mm", "triton"), "scaled_mm", "cuda backend: block-FP8 "
     "GEMM implementation")
 CUDA_FP8_SMALL_M: EnvVar[int] = EnvVar(
-    "GLM_RAY_CUDA_FP8_SMALL_M", _nonneg_int, 0, "cuda backend: block-FP8 linears of at most this many rows run "
+    "GLM_RAY_CUDA_FP8_SMALL_M", _nonneg_int, 32, "cuda backend: block-FP8 linears of at most this many rows run "
     "the one-launch Triton kernel with the activation quant fused (kernels/cuda/fp8_small_m.py); 0 = off "
-    "(act quant + `_scaled_mm`) until the H200 A/B sets the crossover", "int")
+    "(act quant + `_scaled_mm`). 32: the H200 crossover (glm5-flash-31b decode: faster at batch 1/8/32, "
+    "slower at 64)", "int")
 CUDA_MOE_DECODE_PAIRS: EnvVar[int] = EnvVar(
     "GLM_RAY_CUDA_MOE_DECODE_PAIRS", _nonneg_int, 0, "cuda backend: MoE calls of at most this many (token, "
     "expert) pairs run the sort-free two-launch decode kernel (kernels/cuda/moe_decode.py); 0 = off (the "
-    "grouped kernels) until the H200 A/B sets the crossover", "int")
+    "grouped kernels): on the H200 the grouped kernels were as fast or faster at batch 1 and 8", "int")
 FAULT_INJECTION: EnvVar[str] = EnvVar(
     "GLM_RAY_FAULT_INJECTION", str, "", "reliability tests only: `KIND@TOKEN_ID,...` (KIND: exception, "
     "oom or sample) makes steps holding TOKEN_ID fail (worker/faults.py)", "spec")

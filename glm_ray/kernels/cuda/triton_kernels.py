@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from glm_ray.kernels.cuda.layout import TileConfig, cdiv, dense_config, moe_align, moe_configs
+from glm_ray.kernels.cuda.layout import TileConfig, cdiv, dense_config, moe_configs
+from glm_ray.kernels.cuda.moe_align import moe_align_auto
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8_MAX = 448.0
@@ -452,7 +453,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     i_real = half - intermediate_pad
     p = t * k
     cfg1, cfg2 = moe_configs(w_mode, p, e)
-    al = moe_align(topk_ids, e, cfg1.block_m)
+    al = moe_align_auto(topk_ids, e, cfg1.block_m)                   # one launch at decode sizes
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     x = x.contiguous()
     if w_mode == "fp8":
