@@ -43,6 +43,9 @@ class AttnGroup:
     # host int: key width Kmax of the padded views (None -> max_context_len). A CUDA-graph decode batch
     # sets it to its static capacity (nb * block_size) so every view keeps its captured shape.
     kv_capacity: int | None = None
+    # host hint: the group's rows are exactly T[start:stop] in order (a CUDA-graph decode batch), so
+    # per-row gathers (`x[q_index[:, 0]]`) and scatters back can be slices (None: use the indices)
+    row_span: tuple[int, int] | None = None
     _views: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
@@ -58,6 +61,13 @@ class AttnGroup:
     def causal(self) -> torch.Tensor:
         """[B, Qmax, Kmax] bool: key valid and key position <= query position."""
         return self._padded_views()[1]
+
+    def rows_of(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, ...] -> the group's one-query rows [B, ...] (decode groups): a slice where `row_span`
+        says so, else a gather by q_index[:, 0]."""
+        if self.row_span is not None:
+            return x[self.row_span[0]:self.row_span[1]]
+        return x[self.q_index[:, 0]]
 
     def _padded_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._views is None:

@@ -81,3 +81,13 @@ def test_decode_groups_bound_context_padding():
     b = build_forward_batch([1] * 8, [500 + i for i in range(8)], _tables([500 + i for i in range(8)], bs), bs,
                             torch.device("cpu"))
     assert len(b.groups) == 1
+
+
+def test_rows_of_slices_a_row_span_and_gathers_otherwise():
+    from dataclasses import replace
+    b = build_forward_batch([1, 1, 1], [5, 9, 3], [[0, 1], [2, 3, 4], [5]], 4, torch.device("cpu"))
+    g = b.groups[0]                                         # decodes sorted by context: rows 1, 0, 2
+    x = torch.arange(3 * 2.0).view(3, 2)
+    assert torch.equal(g.rows_of(x), x[g.q_index[:, 0]]) and g.q_index[:, 0].tolist() == [1, 0, 2]
+    span = replace(g, q_index=torch.arange(3)[:, None], row_span=(0, 3))
+    assert torch.equal(span.rows_of(x), x) and span.rows_of(x).data_ptr() == x.data_ptr()   # a view

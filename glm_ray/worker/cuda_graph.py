@@ -107,7 +107,7 @@ class DecodeGraphs:
                           block_table=self.block_table[:B, :cap // self.block_size], context_lens=self.context_lens[:B],
                           query_lens=torch.ones(B, dtype=torch.int32, device=dev), block_size=self.block_size,
                           max_context_len=cap, mla_mode="absorbed", state_slots=self.state_slots[:B],
-                          state_fresh=self.state_fresh[:B], kv_capacity=cap)
+                          state_fresh=self.state_fresh[:B], kv_capacity=cap, row_span=(0, B))
         return ForwardBatch(positions=self.positions[:B], slot_mapping=self.slot_mapping[:B], groups=(group,),
                             max_context_len=cap)
 

@@ -300,7 +300,7 @@ class AiterKernels:
                                             max_bytes=max_bytes)
         B, h, D = group.q_index.shape[0], q.shape[1], kv_cache.shape[-1]
         hp = next(n for n in MLA_HEADS if n >= h)                           # kernel head count
-        qg = q[group.q_index[:, 0]].contiguous()                            # [B, h, D] (aiter: contiguous q)
+        qg = group.rows_of(q).contiguous()                                 # [B, h, D] (aiter: contiguous q)
         if hp != h:
             qk = qg.new_zeros(B, hp, D)                                     # [B, hp, D] zero pad heads
             qk[:, :h] = qg
