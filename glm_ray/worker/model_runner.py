@@ -27,7 +27,7 @@ from glm_ray.layers.indexer import Indexer
 from glm_ray.worker.cache import allocate_caches, kv_bytes_per_token
 from glm_ray.worker.cuda_graph import DecodeGraphs
 from glm_ray.worker.faults import FaultInjector, classify
-from glm_ray.worker.sampler import SamplingRow, gather_logprobs, sample, to_logprob_dict
+from glm_ray.worker.sampler import SamplingRow, gather_logprobs, sample, to_device, to_logprob_dict
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class ModelRunner:
                                             [s.state_slot for s in seqs])
                 t1 = time.perf_counter()
                 hidden = self.model(ids, batch, self.kv_caches, self.index_caches, self.state_caches)   # [T, D]
-            logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None   # [N, V]
+            logits = self.model.compute_logits(_take_rows(hidden, sample_rows)) if sample_rows else None   # [N, V]
             plp = self._prompt_logprobs(seqs, hidden, ends)
             del hidden
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the runner goes on
@@ -282,3 +282,12 @@ def profile_activation_bytes(cfg: EngineConfig, model_cfg: ModelConfig, model: t
     del kv, idx, states, hidden
     torch.cuda.empty_cache()
     return int(peak)
+
+
+def _take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden [T, D] -> hidden[rows] [N, D] with no host sync: a slice when the rows are 0..N-1 (every
+    decode step), else a gather by an index copied asynchronously (a list index is a pageable copy,
+    which waits for the forward still running on the GPU)."""
+    if rows == list(range(len(rows))):
+        return hidden[:len(rows)]
+    return hidden[to_device(rows, hidden.device, torch.long)]

@@ -15,6 +15,16 @@ import torch
 from glm_ray.engine.sampling_params import SamplingParams
 
 
+def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a device tensor without a host sync: through pinned memory with an
+    asynchronous copy on CUDA (a pageable host->device copy first waits for the whole stream, which
+    would stall the host on the step still running on the GPU)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingRow:
     params: SamplingParams
@@ -35,14 +45,14 @@ def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     for j, i in enumerate(idx):   # per request (not per token): histories -> count rows
         r = rows[i]
         if r.output_ids:
-            out_counts[j].index_add_(0, torch.tensor(r.output_ids, device=dev), torch.ones(len(r.output_ids), device=dev))
+            out_counts[j].index_add_(0, to_device(r.output_ids, dev), out_counts.new_ones(len(r.output_ids)))
         if r.prompt_ids:
-            seen[j, torch.tensor(r.prompt_ids, device=dev)] = True
+            seen[j, to_device(r.prompt_ids, dev)] = True
     seen |= out_counts > 0
     p = [rows[i].params for i in idx]
-    rep = torch.tensor([x.repetition_penalty for x in p], device=dev)[:, None]
-    pres = torch.tensor([x.presence_penalty for x in p], device=dev)[:, None]
-    freq = torch.tensor([x.frequency_penalty for x in p], device=dev)[:, None]
+    rep = to_device([x.repetition_penalty for x in p], dev)[:, None]
+    pres = to_device([x.presence_penalty for x in p], dev)[:, None]
+    freq = to_device([x.frequency_penalty for x in p], dev)[:, None]
     sub = logits[idx]
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     sub = sub - freq * out_counts - pres * (out_counts > 0).float()
@@ -66,12 +76,12 @@ def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, then top-k / top-p / min-p as masks in sorted space (only rows that ask)."""
     dev = logits.device
-    temp = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=dev)[:, None]
+    temp = to_device([max(r.params.temperature, 1e-5) for r in rows], dev)[:, None]
     logits = logits / temp
-    top_k = torch.tensor([r.params.top_k if r.params.top_k and r.params.top_k > 0 else logits.shape[1]
-                          for r in rows], device=dev)
-    top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
-    min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+    top_k = to_device([r.params.top_k if r.params.top_k and r.params.top_k > 0 else logits.shape[1]
+                       for r in rows], dev)
+    top_p = to_device([r.params.top_p for r in rows], dev)
+    min_p = to_device([r.params.min_p for r in rows], dev)
     if any((r.params.top_k or 0) > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in rows):
         sorted_logits, order = logits.sort(dim=-1, descending=True)               # [N, V]
         ranks = torch.arange(logits.shape[1], device=dev)[None, :]
@@ -92,7 +102,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor,
     logits = _mask_min_tokens(_penalize(logits, rows), rows)
     tokens = logits.argmax(-1)
     if not all(r.params.greedy for r in rows):
-        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+        greedy = to_device([r.params.greedy for r in rows], logits.device)
         probs = _filter(logits, rows).softmax(-1)
         noise = torch.empty_like(probs).exponential_()
         for i, r in enumerate(rows):           # seeded rows redraw their noise from their own generator

@@ -76,3 +76,31 @@ def test_decode_forward_has_no_host_sync(oracle_dir):
             r.model(ids, batch, r.kv_caches, r.index_caches, r.state_caches)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_graph_decode_step_waits_on_the_gpu_once(oracle_dir):
+    """A replayed decode step synchronizes the host once: the sampled tokens' `.tolist()` (no pageable
+    copies of row indices or sampling parameters, which would wait for the replay mid-step)."""
+    import warnings
+    llm = LLM(oracle_dir, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=256 << 20, max_num_seqs=8,
+              max_model_len=1024)
+    runner = llm.engine.executor.worker.runner
+    syncs, orig = [], runner.execute
+
+    def counted(step):
+        graph = bool(step.seqs) and runner._graph_step(step.seqs)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                out = orig(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if graph:
+            syncs.append(sum("synchronizing" in str(x.message) for x in w))
+        return out
+    runner.execute = counted
+    sps = [SamplingParams(max_tokens=12, temperature=t, top_p=0.9, seed=i, ignore_eos=True)
+           for i, t in enumerate((0.0, 0.7, 1.0))]
+    llm.generate(_prompts()[:3], sps, use_tqdm=False)
+    assert len(syncs) >= 10 and max(syncs) == 1, syncs
