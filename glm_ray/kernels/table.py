@@ -80,3 +80,16 @@ class KernelOps:
     # SwiGLU activation: (gate [..., I], up [..., I], limit float | None) -> silu(gate) * up, or the clamped
     # form silu(min(gate, L)) * clamp(up, -L, L) (dense MLP / shared experts; the MoE ops apply their own)
     swiglu: Callable | None = None
+    # --- per-token KV-cache writes (reference: kernels/torch_ref/cache_write.py); in place, return None ---
+    # MLA latent row: (ckv [T, r+dr] kv_a_proj output, norm_weight [r], eps, cos [T, dr], sin [T, dr] (RopeCache
+    # layout: (c, c), (-s, s); None when dr = 0), interleave, kv_cache [S, r+dr], slot_mapping [T] int64):
+    # kv_cache[slot] = [weight * rms_norm(c.float()).to(dtype) | apply_rope(k_pe) (its de-interleaved layout)]
+    mla_kv_write: Callable | None = None
+    # DSA indexer key: (k [T, di] wk output, ln_weight [di], ln_bias [di], eps, cos, sin [T, rope_dim] (None when
+    # rope_dim = 0), rope_dim, interleave, key_cache [S, di], slot_mapping [T] int64):
+    # key_cache[slot] = LayerNorm(k) (input dtype) with apply_rope on its FIRST rope_dim dims
+    indexer_key_write: Callable | None = None
+    # RMSNorm, fp32 statistics: (x [T, D], weight [D], eps, residual [T, D] | None) -> y [T, D] =
+    # weight * rms_norm(x.float()).to(x.dtype); with a residual -> (y of s, s = x + residual in x's dtype, the
+    # new residual stream) — kernels/torch_ref/norm.py. x / residual may be strided row views ([..., D] accepted)
+    rms_norm: Callable | None = None

@@ -3,9 +3,9 @@
 Keys `ki = LayerNorm(wk(x))` are cached per token (its own cache, one per *full* layer).
 Score I[s,t] = sum_h w[s,h] * relu(qi[s,h] . ki[t] / sqrt(di)), w = weights_proj(x) / sqrt(Hi) (fp32).
 RoPE is applied to the first `qk_rope_head_dim` dims (rope FIRST here; MLA puts rope last).
-`write_keys` caches every new token's key; `queries` computes the index queries of a step once per
-layer; `select` returns, per attention group, the selected key positions [B, Qmax, k] int32 (-1 padded):
-the scoring + top-k is the kernel op `indexer_topk`.
+`write_keys` caches every new token's key (the `indexer_key_write` kernel op); `queries` computes the index
+queries of a step once per layer; `select` returns, per attention group, the selected key positions
+[B, Qmax, k] int32 (-1 padded): the scoring + top-k is the kernel op `indexer_topk`.
 While a group's contexts fit in `index_topk` the caller skips `select` (selection = dense causal).
 """
 from __future__ import annotations
@@ -48,9 +48,11 @@ class Indexer(nn.Module):
         return torch.cat([apply_rope(x[..., :r], rope, self.interleave), x[..., r:]], dim=-1)
 
     def write_keys(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeCache, key_cache: torch.Tensor) -> None:
-        """Cache the new tokens' index keys (every token of the step, once per layer)."""
-        ki = self._rope(self.k_norm(self.wk(x)), rope)                       # [T, di]
-        key_cache.index_copy_(0, batch.slot_mapping, ki.to(key_cache.dtype))
+        """Cache the new tokens' index keys (every token of the step, once per layer): k_norm + rope + cast +
+        scatter in one `indexer_key_write` kernel op."""
+        cos, sin = (rope.cos, rope.sin) if self.rope_dim else (None, None)   # [T, rope_dim] each
+        kernels.ops().indexer_key_write(self.wk(x), self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin,
+                                        self.rope_dim, self.interleave, key_cache, batch.slot_mapping)
 
     def queries(self, x: torch.Tensor, q_resid: torch.Tensor, rope: RopeCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Index queries and head weights of every row of T (once per layer, shared by its groups)."""

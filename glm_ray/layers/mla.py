@@ -1,7 +1,8 @@
 """Multi-head latent attention (MLA) with the DSA indexer, over a paged latent KV cache.
 
 Per token and layer the cache holds [c (kv_lora_rank) | k_pe (qk_rope_head_dim)]: the normalized
-latent and the roped shared key — identical on every TP rank. Two equivalent forms:
+latent and the roped shared key — identical on every TP rank — written by the `mla_kv_write` kernel op
+(kv_a_layernorm + rope + cast + scatter in one). Two equivalent forms:
 
 - naive (prefill): expand the context latents with kv_b_proj into per-head K/V and run MHA;
 - absorbed (decode): fold W_UK into the query and W_UV into the output, attend in latent space
@@ -88,9 +89,10 @@ class MLAAttention(nn.Module):
         q = q.view(T, self.h, self.dn + self.dr)                                # [T, h, dn+dr]
         q_nope, q_pe = q[..., :self.dn], self._rope(q[..., self.dn:], rope)
         ckv = self.kv_a_proj_with_mqa(x)                                        # [T, r+dr]
-        c = self.kv_a_layernorm(ckv[:, :self.r])                                # [T, r]
-        k_pe = self._rope(ckv[:, None, self.r:], rope)[:, 0]                    # [T, dr]
-        kv_cache.index_copy_(0, batch.slot_mapping, torch.cat([c, k_pe], -1).to(kv_cache.dtype))
+        # cache row [kv_a_layernorm(c) | rope(k_pe)] at slot_mapping: one `mla_kv_write` op
+        cos, sin = (rope.cos, rope.sin) if self.dr else (None, None)           # [T, dr] each
+        kernels.ops().mla_kv_write(ckv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin,
+                                   self.interleave, kv_cache, batch.slot_mapping)
         if self.indexer is not None:
             self.indexer.write_keys(x, batch, rope, index_cache)
 

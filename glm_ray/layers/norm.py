@@ -1,11 +1,13 @@
-"""RMSNorm (fp32 statistics, cast back before the weight, as GLM checkpoints were trained) and the
-indexer's LayerNorm."""
+"""RMSNorm (fp32 statistics, cast back before the weight, as GLM checkpoints were trained; optionally with
+the residual add of the decoder layer fused in front, through the `rms_norm` kernel op) and the indexer's
+LayerNorm."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glm_ray import kernels
 from glm_ray.weights import load_sharded, set_weight_attrs
 
 
@@ -16,10 +18,10 @@ class RMSNorm(nn.Module):
         self.weight = set_weight_attrs(nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False),
                                        is_norm=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics and normalization (F.rms_norm without a weight: one fused kernel where torch
-        # has one), cast back, then the weight in the input dtype
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [..., D] -> weight * rms_norm(x.float()).to(x.dtype) [..., D]; with `residual` [..., D]:
+        (norm of s, s = x + residual) — the add of the residual stream fused into the same launch."""
+        return kernels.ops().rms_norm(x, self.weight, self.eps, residual)
 
     def weight_loader(self, param, ckpt, shard_id=None):
         load_sharded(param, ckpt, shard_dim=None, rank=0, tp=1)

@@ -4,6 +4,8 @@ MLA + DSA indexer (with IndexShare) + MoE (sigmoid grouped routing, shared exper
 Module names mirror the checkpoint names, so the name map below only has to deal with merged
 params (gate_up_proj) and stacked experts (w13/w2). The MTP layer (index num_hidden_layers) is
 built and loaded but not run yet (speculative decoding comes later).
+The decoder layers carry the residual stream un-added: each add is fused into the RMSNorm that follows
+it (the `rms_norm` kernel op's residual form), the last one into the final norm.
 """
 from __future__ import annotations
 
@@ -34,11 +36,18 @@ class DecoderLayer(nn.Module):
         self.mlp = make_mlp(cfg, sparse, quant_config=quant_config, prefix=f"{prefix}.mlp", params_dtype=params_dtype,
                             tp=tp)
 
-    def forward(self, x, batch, rope, kv_cache, index_cache, prev_mask):
-        h, mask = self.self_attn(self.input_layernorm(x), batch, rope, kv_cache, index_cache, prev_mask)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, mask
+    def forward(self, x, residual, batch, rope, kv_cache, index_cache, prev_mask):
+        """Residual stream carried un-added (vLLM's fused-add pattern): `x` [T, D] is the previous layer's
+        MLP output and `residual` [T, D] the stream before it (None for the first layer: x is the
+        embedding). Returns (this layer's MLP output, the stream before it, mask); the caller's next norm
+        adds them. The same adds in the same order as `x = x + h; x = x + mlp(norm(x))`."""
+        if residual is None:
+            residual, n = x, self.input_layernorm(x)                            # [T, D] each
+        else:
+            n, residual = self.input_layernorm(x, residual)                     # stream += previous MLP output
+        h, mask = self.self_attn(n, batch, rope, kv_cache, index_cache, prev_mask)
+        n, residual = self.post_attention_layernorm(h, residual)                # stream += attention output
+        return self.mlp(n), residual, mask
 
 
 class MTPLayer(DecoderLayer):
@@ -77,10 +86,12 @@ class GlmMoeDsaModel(nn.Module):
                 index_caches: dict[int, torch.Tensor]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                                        # [T, D]
         rope = self.rotary_emb(batch.positions, x.dtype)                        # cos/sin [T, dr] each
-        mask = None
+        mask, residual = None, None
         for i in range(self.cfg.num_hidden_layers):
-            x, mask = self.layers[i](x, batch, rope, kv_caches[i], index_caches.get(i), mask)
-        return self.norm(x)
+            x, residual, mask = self.layers[i](x, residual, batch, rope, kv_caches[i], index_caches.get(i), mask)
+        if residual is None:                                                    # no decoder layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]                                        # the last add fused in
 
 
 class GlmMoeDsaForCausalLM(CausalLM):

@@ -31,6 +31,12 @@
 * indexer_topk: decode groups score the paged key cache in one Triton kernel (indexer.py) + torch.topk.
   Reference when: not CUDA, sm < 80, more than one query per sequence (prefill).
 * moe_routing: one Triton kernel (routing.py). Reference when: not CUDA, sm < 70, E > 1024.
+* mla_kv_write / indexer_key_write: norm + rope + cast + scatter of a token's cache row in one Triton launch
+  (cache_write.py). Reference when: not CUDA, sm < 80, an activation / weight / cache dtype other than
+  bf16 / fp16 / fp32, a cache whose rows are not contiguous, an odd rope width.
+* rms_norm (with the optional fused residual add): one Triton launch (norm.py). Reference when: not CUDA,
+  sm < 80, x not bf16/fp16 (fp32 runs are test configurations and get the exact reference), weight or
+  residual dtype != x's, D > 8192.
 * mla_prefill, indexer_kpool_topk, causal_conv1d, kda_chunked, swiglu: inherited from torch (masked SDPA
   over the group's gathered view — pinned to the mem-efficient / math SDPA backends on a GPU by the
   reference itself —, tiled top-k, chunked KDA).
@@ -54,6 +60,7 @@ from glm_ray import envs
 from glm_ray.kernels.cuda import layout as L
 from glm_ray.kernels.table import KernelOps
 from glm_ray.kernels.torch_ref import attention as ref_attention
+from glm_ray.kernels.torch_ref import cache_write as ref_cache_write
 from glm_ray.kernels.torch_ref import fused_moe as ref_fused_moe
 from glm_ray.kernels.torch_ref import indexer as ref_indexer
 from glm_ray.kernels.torch_ref import quant_ops as ref
@@ -62,6 +69,7 @@ from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_line
 from glm_ray.kernels.torch_ref.kda import kda_decode as ref_kda_decode
 from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref_mhc
 from glm_ray.kernels.torch_ref.mxfp4 import canonical_scale_mode
+from glm_ray.kernels.torch_ref.norm import rms_norm as ref_rms_norm
 from glm_ray.kernels.torch_ref.routing import moe_routing as ref_moe_routing
 
 logger = logging.getLogger(__name__)
@@ -412,9 +420,8 @@ class CudaKernels:
             return slow()
         from glm_ray.kernels.cuda.mla_decode import mla_decode_paged  # noqa: PLC0415 (imports triton)
         def fast():
-            rows = group.q_index[:, 0]                                      # [B] rows of T
             idx = None if selection is None else selection[:, 0]            # [B, k] positions
-            return mla_decode_paged(q[rows], kv_cache, group.block_table, group.context_lens, group.block_size,
+            return mla_decode_paged(group.rows_of(q), kv_cache, group.block_table, group.context_lens, group.block_size,
                                     kv_lora_rank=kv_lora_rank, scale=scale, indices=idx)   # [B, h, r]
         return self._guarded("mla_decode", fast, slow)
 
@@ -428,9 +435,8 @@ class CudaKernels:
             return slow()
         from glm_ray.kernels.cuda.indexer import indexer_decode_topk  # noqa: PLC0415 (imports triton)
         def fast():
-            rows = group.q_index[:, 0]                                      # [B]
             kmax = group.kv_capacity or group.max_context_len
-            idx = indexer_decode_topk(qi[rows], w[rows], key_cache, group.block_table, group.context_lens,
+            idx = indexer_decode_topk(group.rows_of(qi), group.rows_of(w), key_cache, group.block_table, group.context_lens,
                                       group.block_size, topk, kmax)         # [B, k]
             return idx[:, None, :]                                          # [B, 1, k]
         return self._guarded("indexer_topk", fast, slow)
@@ -447,6 +453,48 @@ class CudaKernels:
         from glm_ray.kernels.cuda.routing import moe_routing as fast  # noqa: PLC0415 (imports triton)
         return self._guarded("moe_routing", lambda: fast(logits, bias, **kw), lambda: ref_moe_routing(logits, bias, **kw))
 
+    # ---- per-token KV-cache writes (norm + rope + cast + scatter) -----------------------------------
+    def _cache_write_reason(self, x, tensors, cache, rope_dim: int) -> str | None:
+        return (self._gpu_reason(x, 80, need_triton=True)
+                or next((f"dtype {t.dtype} (bf16/fp16/fp32 kernel)" for t in (x, *tensors, cache)
+                         if t.dtype not in (*HALF_DTYPES, torch.float32)), None)
+                or ("cache rows not contiguous" if cache.stride(-1) != 1 else None)
+                or (f"odd rope width {rope_dim}" if rope_dim % 2 else None))
+
+    def mla_kv_write(self, ckv, norm_weight, eps, cos, sin, interleave, kv_cache, slot_mapping):
+        args = (ckv, norm_weight, eps, cos, sin, interleave, kv_cache, slot_mapping)
+        reason = self._cache_write_reason(ckv, (norm_weight,), kv_cache, ckv.shape[-1] - norm_weight.shape[0])
+        if reason is not None:
+            self._fallback("mla_kv_write", reason)
+            return ref_cache_write.mla_kv_write(*args)
+        from glm_ray.kernels.cuda.cache_write import mla_kv_write as fast  # noqa: PLC0415 (imports triton)
+        return self._guarded("mla_kv_write", lambda: fast(*args), lambda: ref_cache_write.mla_kv_write(*args))
+
+    def indexer_key_write(self, k, ln_weight, ln_bias, eps, cos, sin, rope_dim, interleave, key_cache, slot_mapping):
+        args = (k, ln_weight, ln_bias, eps, cos, sin, rope_dim, interleave, key_cache, slot_mapping)
+        reason = self._cache_write_reason(k, (ln_weight, ln_bias), key_cache, rope_dim)
+        if reason is not None:
+            self._fallback("indexer_key_write", reason)
+            return ref_cache_write.indexer_key_write(*args)
+        from glm_ray.kernels.cuda.cache_write import indexer_key_write as fast  # noqa: PLC0415 (imports triton)
+        return self._guarded("indexer_key_write", lambda: fast(*args),
+                             lambda: ref_cache_write.indexer_key_write(*args))
+
+    # ---- RMSNorm (+ fused residual add) ---------------------------------------------------------
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        reason = (self._gpu_reason(x, 80, need_triton=True)
+                  or (f"dtype {x.dtype} (bf16/fp16 kernel)" if x.dtype not in HALF_DTYPES else None)
+                  or (f"weight dtype {weight.dtype} != {x.dtype}" if weight.dtype != x.dtype else None)
+                  or (f"residual {residual.dtype} {tuple(residual.shape)} != x {x.dtype} {tuple(x.shape)}"
+                      if residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape) else None)
+                  or (f"D={x.shape[-1]} > 8192" if x.shape[-1] > 8192 else None))
+        if reason is not None:
+            self._fallback("rms_norm", reason)
+            return ref_rms_norm(x, weight, eps, residual)
+        from glm_ray.kernels.cuda.norm import rms_norm as fast  # noqa: PLC0415 (imports triton)
+        return self._guarded("rms_norm", lambda: fast(x, weight, eps, residual),
+                             lambda: ref_rms_norm(x, weight, eps, residual))
+
 
 def make_ops(fp8_gemm: str | None = None):
     """KernelOps for the cuda backend (moe_quant_layout / moe_quant_prepare are inherited from torch)."""
@@ -455,4 +503,5 @@ def make_ops(fp8_gemm: str | None = None):
                      block_fp8_linear_prepare=k.block_fp8_linear_prepare, fused_moe_block_fp8=k.fused_moe_block_fp8,
                      fused_moe_mxfp4=k.fused_moe_mxfp4, mxfp4_linear=k.mxfp4_linear,
                      mhc_coefficients=k.mhc_coefficients, kda_decode=k.kda_decode, mla_decode=k.mla_decode,
-                     indexer_topk=k.indexer_topk, moe_routing=k.moe_routing)
+                     indexer_topk=k.indexer_topk, moe_routing=k.moe_routing, rms_norm=k.rms_norm,
+                     mla_kv_write=k.mla_kv_write, indexer_key_write=k.indexer_key_write)
