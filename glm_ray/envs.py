@@ -108,6 +108,9 @@ CUDA_MOE_DECODE_PAIRS: EnvVar[int] = EnvVar(
     "GLM_RAY_CUDA_MOE_DECODE_PAIRS", _nonneg_int, 0, "cuda backend: MoE calls of at most this many (token, "
     "expert) pairs run the sort-free two-launch decode kernel (kernels/cuda/moe_decode.py); 0 = off (the "
     "grouped kernels): on the H200 the grouped kernels were as fast or faster at batch 1 and 8", "int")
+CUDA_INDEXER_TOPK: EnvVar[str] = EnvVar(
+    "GLM_RAY_CUDA_INDEXER_TOPK", _choice("triton", "torch"), "triton", "cuda backend: top-k of the DSA indexer's "
+    "decode path: the multi-program Triton radix select (kernels/cuda/topk.py) or torch.topk")
 FAULT_INJECTION: EnvVar[str] = EnvVar(
     "GLM_RAY_FAULT_INJECTION", str, "", "reliability tests only: `KIND@TOKEN_ID,...` (KIND: exception, "
     "oom or sample) makes steps holding TOKEN_ID fail (worker/faults.py)", "spec")
@@ -117,7 +120,7 @@ LOG_LEVEL: EnvVar[str] = EnvVar(
 
 ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_THREADS, ORCHESTRATION,
                            TIME_COLLECTIVES, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
-                           CUDA_MOE_DECODE_PAIRS, FAULT_INJECTION, LOG_LEVEL)
+                           CUDA_MOE_DECODE_PAIRS, CUDA_INDEXER_TOPK, FAULT_INJECTION, LOG_LEVEL)
 
 
 # Not forwarded to the rank actors: they do not use it, and Ray records an actor's runtime_env in its logs.

@@ -4,6 +4,10 @@ top-k, the bytes the scores kernel moves and the bandwidth it reaches (vs the H2
 achievable HBM read rate).
 
     python -m glm_ray.bench.indexer [--batch 1 8 32 64] [--context 1024 8192 32768] [--json out.jsonl]
+    python -m glm_ray.bench.indexer --topk-only --batch 1 8 64 --context 8192 32768
+
+--topk-only times the top-k alone (`select_topk` on random fp32 scores [B, context], every row full):
+the Triton radix select (kernels/cuda/topk.py) against torch.topk, same timing method.
 
 GLM-5 shapes: 32 indexer heads x 128, bf16 keys, fp32 queries and head weights, top-2048. Every sequence
 of a row has the same context, its blocks scattered over the cache (random block table). Each op is
@@ -24,6 +28,7 @@ from glm_ray.bench.table import append_rows, print_rows
 
 HBM_TBPS = 4.2
 COLS = ["B", "context", "scores_us", "topk_us", "total_us", "MB", "TB/s", "frac_4.2"]
+TOPK_COLS = ["B", "context", "k", "programs", "triton_us", "torch_us", "speedup"]
 
 
 def _kernels():
@@ -36,6 +41,7 @@ def _kernels():
 def run(batches: list[int], contexts: list[int], *, heads: int = 32, head_dim: int = 128, block_size: int = 64,
         topk: int = 2048, iters: int = 50, flush: bool = True, qi_dtype: torch.dtype = torch.float32) -> list[dict]:
     K = _kernels()
+    T = K.radix_topk
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     buf = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev) if flush else None
@@ -59,11 +65,41 @@ def run(batches: list[int], contexts: list[int], *, heads: int = 32, head_dim: i
             rows.append({"bench": "indexer_decode", "B": B, "context": ctx, "heads": heads, "head_dim": head_dim,
                          "block_size": block_size, "topk": topk, "block_n": K.BLOCK_N, "tiles": K._tiles(B, kmax),
                          "num_warps": K.NUM_WARPS, "qi_parts": K.FP32_QUERY_PARTS,
-                         "topk_impl": K.TOPK_IMPL, "topk_chunk": K.TOPK_CHUNK, "topk_warps": K.TOPK_WARPS,
+                         "topk_impl": K.TOPK_IMPL, "topk_chunk": K.TOPK_CHUNK or T.CHUNK,
+                         "topk_warps": K.TOPK_WARPS or T.NUM_WARPS, "topk_programs": T.TARGET_PROGRAMS,
                          "qi_dtype": str(qi_dtype).removeprefix("torch."), "flush_l2": flush,
                          "scores_us": t_s, "topk_us": t_all - t_s, "total_us": t_all,
                          "MB": nbytes / 1e6, "TB/s": tbps, "frac_4.2": tbps / HBM_TBPS})
             del args, key_cache                                  # free before the next (bigger) cache
+    return rows
+
+
+@torch.inference_mode()
+def run_topk(batches: list[int], contexts: list[int], *, topk: int = 2048, iters: int = 50,
+             flush: bool = True) -> list[dict]:
+    """`select_topk` alone on random fp32 scores [B, context] (every row full): Triton vs torch.topk."""
+    K = _kernels()
+    T = K.radix_topk
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    buf = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev) if flush else None
+    rows, impl0 = [], K.TOPK_IMPL
+    for ctx in contexts:
+        for B in batches:
+            scores = torch.randn(B, ctx, generator=g, device=dev)                   # [B, ctx]
+            cl = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+            k = min(topk, ctx)
+            t = {}
+            for impl in ("triton", "torch"):
+                K.TOPK_IMPL = impl                                                  # read at capture
+                t[impl] = graph_replay_us(partial(K.select_topk, scores, cl, k), iters, buf)
+            K.TOPK_IMPL = impl0
+            chunk = K.TOPK_CHUNK or T.CHUNK
+            rows.append({"bench": "indexer_topk", "B": B, "context": ctx, "k": k,
+                         "programs": T.programs_per_row(B, ctx, chunk), "topk_chunk": chunk,
+                         "topk_warps": K.TOPK_WARPS or T.NUM_WARPS, "topk_programs": T.TARGET_PROGRAMS,
+                         "flush_l2": flush, "triton_us": t["triton"], "torch_us": t["torch"],
+                         "speedup": t["torch"] / t["triton"]})
     return rows
 
 
@@ -82,6 +118,9 @@ def main(argv=None) -> int:
     p.add_argument("--topk-impl", choices=["triton", "torch"], default=None, help="override the top-k path")
     p.add_argument("--topk-chunk", type=int, default=None, help="override the top-k kernel's scores per step")
     p.add_argument("--topk-warps", type=int, default=None, help="override the top-k kernel's warps")
+    p.add_argument("--topk-programs", type=int, default=None,
+                   help="override the top-k's target programs per launch (topk.TARGET_PROGRAMS)")
+    p.add_argument("--topk-only", action="store_true", help="time the top-k alone: Triton vs torch.topk")
     p.add_argument("--parts", type=int, default=None, help="override the bf16 parts of an fp32 query (1-3)")
     p.add_argument("--json", default=None, help="also append the rows to this JSONL file")
     a = p.parse_args(argv)
@@ -102,6 +141,13 @@ def main(argv=None) -> int:
         K.TOPK_WARPS = a.topk_warps
     if a.parts:
         K.FP32_QUERY_PARTS = a.parts
+    if a.topk_programs:
+        K.radix_topk.TARGET_PROGRAMS = a.topk_programs
+    if a.topk_only:
+        rows = run_topk(a.batch, a.context, topk=a.topk, iters=a.iters, flush=not a.no_flush)
+        print_rows(rows, TOPK_COLS, width=10)
+        append_rows(a.json, rows)
+        return 0
     rows = run(a.batch, a.context, block_size=a.block_size, topk=a.topk, iters=a.iters, flush=not a.no_flush,
                qi_dtype=getattr(torch, a.qi_dtype))
     print_rows(rows, COLS, width=10)

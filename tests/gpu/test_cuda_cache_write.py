@@ -124,9 +124,10 @@ def test_cuda_cache_writes_graph_replay(ck):
     """Captured with static buffers, replayed after inputs, cos / sin and slots changed in place: equal to
     eager runs of the kernels."""
     t = 64
-    ckv, w, rope = _gpu(*mla_case(t, R, DR, BF16, seed=1))
+    ckv, w, rope = mla_case(t, R, DR, BF16, seed=1)
+    ckv, w = _gpu(ckv, w)
     k, lw, lb = _gpu(*indexer_case(t, DI, BF16, seed=1))
-    cos, sin = rope.cos.clone(), rope.sin.clone()
+    cos, sin = rope.cos.to(DEV), rope.sin.to(DEV)
     slots = paged_slots(t, NUM_BLOCKS, seed=1).to(DEV)
     kv, kc = cache(NUM_BLOCKS, R + DR, BF16).to(DEV), cache(NUM_BLOCKS, DI, BF16).to(DEV)
 

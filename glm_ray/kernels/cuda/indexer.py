@@ -17,17 +17,18 @@ kernels/torch_ref/indexer.py, here for query_lens == 1 and with int32 positions 
   is the fp32 dot up to summation order (no TF32 anywhere). A bf16 query is one part (H200: 3.4 vs
   2.3-2.7 TB/s at B=64 x 32k: the split fp32 path is partly compute-bound). fp32 keys take one fp32 dot
   with input_precision="ieee" (CUDA-core FMAs: slower, exact).
-* Top-k (`select_topk`): torch.topk(sorted=False) on the [B, kmax] scores, -inf picks -> -1. It launches
-  from shapes only (capturable). Measured on the H200 (CUDA-graph replays, cold L2): 48-59 us at 8k and
-  51-76 us at 32k for B = 1..64 (k = 2048) — as much as or more than the score kernel below B ~ 32; a
-  fused / multi-CTA select is the next step if the indexer shows up in the decode profile.
-  `_topk_kernel` (TOPK_IMPL = "triton") is an exact one-program-per-row radix select (tl.histogram
-  passes + a compaction): 5 us when every context fits in k, but 55 us at 8k and 150 us at 32k (one SM
-  per row, histogram-bound), so it is opt-in; it returns ascending positions and breaks ties by lowest
-  position.
-* Ties: exact score ties are broken by torch.topk's internal order, not the reference's; selection
-  sets can differ only among positions whose scores tie (or nearly tie, within fp32 summation-order
-  noise) with the k-th best. Both are undefined by the contract.
+* Top-k (`select_topk`, switch GLM_RAY_CUDA_INDEXER_TOPK read at import into TOPK_IMPL):
+  "triton" (default): `topk_positions` of kernels/cuda/topk.py, an exact radix select with every row
+  split over several programs (4 histogram passes + a compaction, no sort); ascending positions, ties
+  to the lowest positions, -1 last. "torch": torch.topk(sorted=False) on the [B, kmax] scores, -inf
+  picks -> -1; measured on the H200 (CUDA-graph replays, cold L2): 48-59 us at 8k and 51-76 us at 32k
+  for B = 1..64 (k = 2048), 40-45 us per layer in glm5-flash-31b decode at 8k. (The earlier
+  one-program-per-row radix kernel took 55 us at 8k and 150 us at 32k: one SM per row.) Both launch
+  from shapes only (capturable).
+* Ties: exact score ties are broken by lowest position ("triton") or torch.topk's internal order
+  ("torch"), not necessarily the reference's; selection sets can differ only among positions whose
+  scores tie (or nearly tie, within fp32 summation-order noise) with the k-th best. Both are undefined
+  by the contract.
 
 Under `TRITON_INTERPRET=1` (CPU tests) the bf16 parts are upcast to fp32 before `tl.dot` (the
 interpreter's bf16 dot is garbage); the split itself is still exercised.
@@ -40,16 +41,18 @@ import torch
 import triton
 import triton.language as tl
 
+from glm_ray import envs
+from glm_ray.kernels.cuda import topk as radix_topk
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 NEG_INF = float("-inf")
-NEG_INF_KEY = tl.constexpr(-2139095041)    # `_order_key(-inf)`: bits 0xff800000 ^ 0x7fffffff
 BLOCK_N = 64            # positions per tile   } H200 tuning: see glm_ray/bench/indexer.py
 TILES = None            # tiles per program   } (None: `_tiles` picks from the shapes)
 NUM_WARPS = 4
 FP32_QUERY_PARTS = 3    # bf16 parts of an fp32 query (3: fp32-exact products; 2: ~2^-17 relative)
-TOPK_IMPL = "torch"     # "torch": torch.topk; "triton": `_topk_kernel` radix select (see above)
-TOPK_CHUNK = 4096       # scores per loop step of `_topk_kernel`
-TOPK_WARPS = 8
+TOPK_IMPL = envs.CUDA_INDEXER_TOPK.get()   # "triton": topk.topk_positions; "torch": torch.topk
+TOPK_CHUNK = None       # scores per loop step of `topk_positions` (None: topk.CHUNK)
+TOPK_WARPS = None       # its warps per program (None: topk.NUM_WARPS)
 
 
 @triton.jit
@@ -106,68 +109,6 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, cl_ptr, out_ptr,
             tl.store(o_row + offs_n, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=offs_n < KMAX)
 
 
-@triton.jit
-def _topk_kernel(s_ptr, cl_ptr, o_ptr, KMAX, K, stride_s, stride_o, CHUNK: tl.constexpr):
-    """One program per row: the K best of scores[b, :n] (n = min(context_lens[b], KMAX)). n > K: an exact
-    radix select of the K-th largest order key (4 passes of 8-bit digits, each a 256-bin histogram of the
-    keys that match the digits fixed so far). Then one compaction pass writes, in position order, every
-    position above the K-th key plus the first ones equal to it (n <= K: every position), -inf scores
-    never; the rest of the K outputs is -1."""
-    b = tl.program_id(0)
-    row = s_ptr + b.to(tl.int64) * stride_s
-    orow = o_ptr + b.to(tl.int64) * stride_o
-    n = tl.minimum(tl.load(cl_ptr + b), KMAX)
-    offs0 = tl.arange(0, CHUNK)
-    if n <= K:
-        thr = n * 0 + NEG_INF_KEY                                              # take every finite score
-        kk = n * 0
-    else:
-        bins = tl.arange(0, 256)                                               # digit bins
-        prefix = n * 0                                                         # int32: digits fixed so far
-        kk = K + n * 0                                                         # rank wanted among the candidates
-        for p in tl.static_range(4):
-            shift = 24 - 8 * p                                                 # constexpr
-            h = tl.zeros((256,), tl.int32)
-            for c in tl.range(0, tl.cdiv(n, CHUNK)):
-                offs = c * CHUNK + offs0
-                x = tl.load(row + offs, mask=offs < n, other=0.0)
-                u = _order_key(x) ^ -2147483648                                # unsigned order, int32 bits
-                cand = offs < n
-                if p > 0:
-                    cand = cand & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-                # non-candidates are counted in bin 0, then taken out of it
-                h += tl.histogram(tl.where(cand, (u >> shift) & 0xFF, 0), 256)
-                h -= tl.where(bins == 0, tl.sum((cand == 0).to(tl.int32), 0), 0)
-            ge = tl.sum(h, 0) - tl.cumsum(h, 0) + h                            # [256] candidates with digit >= d
-            d = tl.max(tl.where(ge >= kk, bins, -1), 0)                        # the K-th's digit
-            kk -= tl.sum(tl.where(bins > d, h, 0), 0)
-            prefix = prefix | (d << shift)
-        thr = prefix ^ -2147483648                                             # the K-th key (signed order)
-    taken = n * 0
-    eq_seen = n * 0
-    for c in tl.range(0, tl.cdiv(n, CHUNK)):
-        offs = c * CHUNK + offs0
-        inb = offs < n
-        x = tl.load(row + offs, mask=inb, other=float("-inf"))
-        key = _order_key(x)
-        eq = (inb & (key == thr)).to(tl.int32)
-        take = inb & (x != float("-inf")) & ((key > thr) | ((eq != 0) & (eq_seen + tl.cumsum(eq, 0) <= kk)))
-        t32 = take.to(tl.int32)
-        tl.store(orow + taken + tl.cumsum(t32, 0) - 1, offs, mask=take)
-        taken += tl.sum(t32, 0)
-        eq_seen += tl.sum(eq, 0)
-    for c in tl.range(0, tl.cdiv(K, CHUNK)):                                   # -1 after the picks
-        offs = c * CHUNK + offs0
-        tl.store(orow + offs, tl.full((CHUNK,), -1, tl.int32), mask=(offs >= taken) & (offs < K))
-
-
-@triton.jit
-def _order_key(x):
-    """fp32 -> int32 whose signed order is the float order (-inf lowest; NaN above +inf; -0.0 == +0.0)."""
-    i = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))
-    return i ^ ((i >> 31) & 0x7FFFFFFF)
-
-
 def _tiles(B: int, kmax: int) -> int:
     """Tiles per program from the shapes: 4 once there are >= 2048 tiles (~16 per SM on an H200: fewer,
     longer programs stream better: B=64 x 32k 2.3 -> 2.8 TB/s), else 1 (small grids need every program)."""
@@ -211,7 +152,7 @@ def indexer_decode_scores(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Te
 def indexer_decode_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
                         context_lens: torch.Tensor, block_size: int, topk: int, kmax: int) -> torch.Tensor:
     """indices [B, min(topk, kmax)] int32: the positions of the best-scored keys of each sequence
-    (`select_topk` of `indexer_decode_scores`, in no particular order), -1 where fewer than topk
+    (`select_topk` of `indexer_decode_scores`; order: see there), -1 where fewer than topk
     positions exist (the -inf picks)."""
     scores = indexer_decode_scores(qi, w, key_cache, block_table, context_lens, block_size, kmax)   # [B, kmax]
     return select_topk(scores, context_lens, min(topk, kmax))
@@ -225,11 +166,7 @@ def select_topk(scores: torch.Tensor, context_lens: torch.Tensor, k: int) -> tor
     if TOPK_IMPL == "torch":
         vals, idx = scores.topk(k, dim=-1, sorted=False)                       # [B, k]
         return idx.to(torch.int32).masked_fill_(vals == NEG_INF, -1)
-    out = torch.empty(B, k, dtype=torch.int32, device=scores.device)           # [B, k]
-    if B:
-        _topk_kernel[(B,)](scores, context_lens.contiguous(), out, kmax, k, scores.stride(0), out.stride(0),
-                           CHUNK=TOPK_CHUNK, num_warps=TOPK_WARPS)
-    return out
+    return radix_topk.topk_positions(scores, context_lens, k, chunk=TOPK_CHUNK, num_warps=TOPK_WARPS)   # [B, k]
 
 
 def indexer_decode_reference(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
