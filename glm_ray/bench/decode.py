@@ -22,7 +22,9 @@ Per row:
   `execute` instead (`device_src` says which);
 * floor_ms — the bytes a step must read (`floor_bytes`) over `--bandwidth` (4.2e12 B/s: an H200's
   achievable HBM read rate); ratio_wall = step_ms / floor_ms, ratio_device = device_ms / floor_ms;
-* top_ops — with `--profile-top N`, the N ops with the most device time per step (CPU self time on CPU).
+* top_ops — with `--profile-top N`, the N ops with the most device time per step (CPU self time on CPU);
+* timeline_ms (CUDA) — where a profiled step's wall time goes: GPU busy, the GPU's gaps between the step's
+  kernels, host time before the first kernel and after the last (see `_profile`).
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from glm_ray import kernels
 from glm_ray.bench.table import append_rows, print_rows
@@ -338,21 +340,32 @@ class DecodeCase:
         self.worker.execute(SchedulerOutput(finished_req_ids=list(self.rids)))
 
 
-def _profile(case: DecodeCase, n: int, cuda: bool, top: int) -> tuple[float, list[dict], str]:
-    """Run n steps under torch.profiler: (device ms per step, top ops, source of the device time)."""
+def _profile(case: DecodeCase, n: int, cuda: bool, top: int) -> tuple[float, list[dict], str, dict]:
+    """Run n steps under torch.profiler: (device ms per step, top ops, source of the device time, timeline).
+
+    timeline (CUDA; per-step medians, ms): `gpu_busy` (kernel time), `gpu_span` (first kernel start to
+    last kernel end of the step), `gpu_gaps` (span - busy: the GPU idle *between* the step's kernels,
+    e.g. a graph's launch gaps), `host_before` (step start to the first kernel: input staging and the
+    launch / graph replay call), `host_after` (last kernel end to step end: reading the tokens back and
+    the host's bookkeeping), `graph_launch` (CPU time inside cudaGraphLaunch)."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         for _ in range(n):
-            case.step()
+            with record_function("glm_ray_decode_step"):
+                case.step()
         if cuda:
             torch.cuda.synchronize()
     agg: dict[str, list[float]] = {}
+    timeline: dict[str, float] = {}
     if cuda:
+        kernels_t = []
         for ev in prof.events():                                  # kernels, memcpy, memset
             if ev.device_type == DeviceType.CUDA:
                 a = agg.setdefault(ev.name, [0, 0.0])
                 a[0] += 1
                 a[1] += ev.time_range.elapsed_us()
+                kernels_t.append((ev.time_range.start, ev.time_range.end))
+        timeline = _timeline(prof.events(), kernels_t)
     else:
         for ev in prof.key_averages():                            # CPU ops by self time
             if ev.self_cpu_time_total > 0:
@@ -361,10 +374,34 @@ def _profile(case: DecodeCase, n: int, cuda: bool, top: int) -> tuple[float, lis
     ops = [{"name": k, "calls_per_step": c / n, "ms_per_step": us / n / 1e3, "share": us / total if total else 0.0}
            for k, (c, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]]
     if not cuda:
-        return float("nan"), ops, "none"
+        return float("nan"), ops, "none", timeline
     if total > 0:
-        return total / n / 1e3, ops, "profiler"
-    return float("nan"), ops, "none"
+        return total / n / 1e3, ops, "profiler", timeline
+    return float("nan"), ops, "none", timeline
+
+
+def _timeline(events, kernels_t: list[tuple[float, float]]) -> dict[str, float]:
+    """Per-step split of a profiled step's wall time (see `_profile`), medians over the steps, in ms.
+    Kernels belong to the step during whose [start, next step's start) they start (profiler clocks
+    are one timeline for host and device events)."""
+    steps = sorted((ev.time_range.start, ev.time_range.end) for ev in events
+                   if ev.device_type == DeviceType.CPU and ev.name == "glm_ray_decode_step")
+    launches = [(ev.time_range.start, ev.time_range.elapsed_us()) for ev in events
+                if ev.device_type == DeviceType.CPU and ev.name == "cudaGraphLaunch"]
+    rows = {k: [] for k in ("gpu_busy", "gpu_span", "gpu_gaps", "host_before", "host_after", "graph_launch")}
+    for i, (s0, s1) in enumerate(steps):
+        nxt = steps[i + 1][0] if i + 1 < len(steps) else float("inf")
+        ks = sorted(k for k in kernels_t if s0 <= k[0] < nxt)
+        if not ks:
+            continue
+        busy, first, last = sum(e - b for b, e in ks), ks[0][0], max(e for _, e in ks)
+        rows["gpu_busy"].append(busy)
+        rows["gpu_span"].append(last - first)
+        rows["gpu_gaps"].append(last - first - busy)
+        rows["host_before"].append(first - s0)
+        rows["host_after"].append(max(0.0, s1 - last))
+        rows["graph_launch"].append(sum(d for t, d in launches if s0 <= t < s1))
+    return {k: statistics.median(v) / 1e3 for k, v in rows.items() if v}
 
 
 def _event_span_ms(case: DecodeCase, n: int) -> float:
@@ -406,9 +443,9 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
                 case.advance(out)
             host_src = "wall-minus-sync" if (probe.active or not cuda) else "thread-cpu"
         graph_steps = worker.runner.num_graph_steps - g0                # timed steps that replayed a graph
-        device_ms, ops, dev_src = float("nan"), [], "none"
+        device_ms, ops, dev_src, timeline = float("nan"), [], "none", {}
         if profile_steps and (cuda or profile_top):
-            device_ms, ops, dev_src = _profile(case, profile_steps, cuda, profile_top)
+            device_ms, ops, dev_src, timeline = _profile(case, profile_steps, cuda, profile_top)
         if cuda and math.isnan(device_ms):
             device_ms, dev_src = _event_span_ms(case, max(1, profile_steps)), "events"
     finally:
@@ -426,7 +463,7 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
             "ratio_device": device_ms / floor_ms, "tokens_per_s": batch / step_ms * 1e3,
             "floor_gb": fb["total"] / 1e9, "floor_weights_gb": (fb["weights"] + fb["lm_head"]) / 1e9,
             "floor_kv_gb": (fb["kv"] + fb["index_keys"]) / 1e9, "host_src": host_src, "device_src": dev_src,
-            "top_ops_time": "device" if cuda else "cpu", "top_ops": ops,
+            "top_ops_time": "device" if cuda else "cpu", "top_ops": ops, "timeline_ms": timeline,
             "final_pos": case.pos, "device": str(worker.device), "graph_steps": graph_steps,
             "fallbacks": _fallbacks()}
 
@@ -439,6 +476,8 @@ def _fallbacks() -> dict[str, int]:
 
 
 def print_ops(row: dict) -> None:
+    if row.get("timeline_ms"):
+        print("  step timeline (ms, profiled): " + ", ".join(f"{k} {v:.3f}" for k, v in row["timeline_ms"].items()))
     if not row["top_ops"]:
         return
     print(f"  top {row['top_ops_time']} ops: {row['model']} {row['quant']} {row['mode']} "

@@ -129,3 +129,23 @@ def test_config_bytes_match_the_built_model(tmp_path, monkeypatch, quant):
     w = decode.build_worker(decode.model_dir_for("glm5-tiny", quant, tmp_path), device="cpu", dtype="auto",
                             mode="eager", max_batch=1, max_context=16, steps_total=2)
     assert decode.weight_bytes_from_config(w.model_cfg) == decode.weight_bytes_from_model(w.model, w.model_cfg)
+
+
+def test_timeline_splits_a_step_into_host_and_gpu_parts():
+    """`_timeline` on synthetic profiler events (us): step [0, 100) with kernels [10, 30) and [40, 60),
+    a graph launch of 5 us; step [100, 200) with one kernel [150, 170)."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from glm_ray.bench import decode as d
+
+    def ev(name, start, end, dev=DeviceType.CPU):
+        tr = NS(start=start, end=end, elapsed_us=lambda: end - start)
+        return NS(name=name, device_type=dev, time_range=tr)
+    events = [ev("glm_ray_decode_step", 0, 100), ev("cudaGraphLaunch", 5, 10), ev("glm_ray_decode_step", 100, 200)]
+    kernels = [(10, 30), (40, 60), (150, 170)]
+    t = d._timeline(events, kernels)
+    # medians over the two steps: busy (40, 20), span (50, 20), gaps (10, 0), before (10, 50), after (40, 30)
+    assert t == {"gpu_busy": 0.03, "gpu_span": 0.035, "gpu_gaps": 0.005, "host_before": 0.03, "host_after": 0.035,
+                 "graph_launch": 0.0025}
