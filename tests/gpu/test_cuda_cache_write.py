@@ -143,7 +143,8 @@ def test_cuda_cache_writes_graph_replay(ck):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    ckv2, _, rope2 = _gpu(*mla_case(t, R, DR, BF16, seed=2))
+    ckv2, _, rope2 = mla_case(t, R, DR, BF16, seed=2)
+    ckv2 = ckv2.to(DEV)
     k2 = indexer_case(t, DI, BF16, seed=2)[0].to(DEV)
     ckv.copy_(ckv2)
     k.copy_(k2)
