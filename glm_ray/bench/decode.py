@@ -14,6 +14,7 @@ Warm-up steps (graph capture) are not timed; the requests are finished before th
 
 Per row:
 * step_ms — median wall time of `execute` (the runner's host sync on the sampled tokens included);
+* replay_call_ms — host time inside the graph replay call (cudaGraphLaunch) per step, unprofiled;
 * host_ms — step_ms minus the time the host waited for the device: on CUDA the runner's `sample` is
   wrapped to synchronize right after sampling is launched, and that wait is subtracted (the host's own
   work: inputs, launches or graph replay, sampling bookkeeping); on CPU the host does everything;
@@ -61,7 +62,7 @@ HBM_BYTES_PER_S = 4.2e12            # H200: achievable HBM read bandwidth (4.8e1
 # the block-FP8 [128, 128] checkpoint format (zai-org GLM FP8 releases; quant/config.py parses it)
 FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": [128, 128]}
-ROW_COLS = ["model", "quant", "mode", "batch", "context", "step_ms", "host_ms", "device_ms", "floor_ms",
+ROW_COLS = ["model", "quant", "mode", "batch", "context", "step_ms", "host_ms", "replay_call_ms", "device_ms", "floor_ms",
             "ratio_wall", "ratio_device", "tokens_per_s", "graph_steps"]
 
 
@@ -360,7 +361,7 @@ def _profile(case: DecodeCase, n: int, cuda: bool, top: int) -> tuple[float, lis
     if cuda:
         kernels_t = []
         for ev in prof.events():                                  # kernels, memcpy, memset
-            if ev.device_type == DeviceType.CUDA:
+            if ev.device_type == DeviceType.CUDA and ev.name != "glm_ray_decode_step":   # not the annotation's range
                 a = agg.setdefault(ev.name, [0, 0.0])
                 a[0] += 1
                 a[1] += ev.time_range.elapsed_us()
@@ -426,7 +427,7 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
     case = DecodeCase(worker, batch, context, steps_per_case(warmup, steps, profile_steps),
                       f"{model}-{mode}", seed)
     probe = SyncWaitProbe(cuda)
-    walls, waits, cpus = [], [], []
+    walls, waits, cpus, replays = [], [], [], []
     try:
         for _ in range(max(1, warmup)):                           # the first step registers the requests
             case.step()
@@ -436,7 +437,10 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
                 so = case.next_step()
                 probe.take()
                 c0, t0 = time.thread_time(), time.perf_counter()
+                r0 = worker.runner.graphs.replay_s if worker.runner.graphs is not None else 0.0
                 out = worker.execute(so)
+                if worker.runner.graphs is not None:
+                    replays.append(worker.runner.graphs.replay_s - r0)
                 walls.append(time.perf_counter() - t0)
                 cpus.append(time.thread_time() - c0)
                 waits.append(probe.take())
@@ -458,7 +462,8 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
     fb = floor_bytes(weights, worker.model_cfg, batch, context, _elem(worker.model_cfg.dtype))
     floor_ms = fb["total"] / bandwidth * 1e3
     return {"model": model, "quant": quant, "mode": mode, "batch": batch, "context": context, "steps": steps,
-            "step_ms": step_ms, "host_ms": host_ms, "sync_wait_ms": statistics.median(waits) * 1e3,
+            "step_ms": step_ms, "host_ms": host_ms,
+            "replay_call_ms": statistics.median(replays) * 1e3 if replays else float("nan"), "sync_wait_ms": statistics.median(waits) * 1e3,
             "device_ms": device_ms, "floor_ms": floor_ms, "ratio_wall": step_ms / floor_ms,
             "ratio_device": device_ms / floor_ms, "tokens_per_s": batch / step_ms * 1e3,
             "floor_gb": fb["total"] / 1e9, "floor_weights_gb": (fb["weights"] + fb["lm_head"]) / 1e9,

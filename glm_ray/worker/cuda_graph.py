@@ -95,6 +95,7 @@ class DecodeGraphs:
         self._h_bt_np = self._h_bt.numpy()                                  # same memory
         self.graphs: dict[tuple[int, int], _Graph] = {}                    # (batch, capacity)
         self.pool = None
+        self.replay_s = 0.0                                                 # host seconds inside replay()
 
     # ---- capture --------------------------------------------------------------------------------
     def _batch(self, B: int, cap: int) -> ForwardBatch:
@@ -163,7 +164,9 @@ class DecodeGraphs:
         g = self.graphs.get((Bp, cap))
         if g is None:                    # not captured (the CPU tests): the same static-buffer forward, eagerly
             return self._forward(Bp, self._batch(Bp, cap))[:B]
-        g.graph.replay()
+        t0 = time.perf_counter()
+        g.graph.replay()                                                    # host: cudaGraphLaunch
+        self.replay_s += time.perf_counter() - t0
         return g.hidden[:B]
 
     def _stage(self, token_ids, positions, slots, block_tables, state_slots, Bp: int) -> None:
