@@ -2,7 +2,7 @@
 # H200 decode pass (issue #18): the GPU tests of the decode path, then the committed decode benchmark
 # (glm5-flash-31b block-FP8 dummy, TP1, eager vs graphs, batch 1/8/32/64 x context 1k/8k, and glm5-slice-6l).
 # One device call (<= 600 s): PART=tests | flash | flashkern | kern | slice | all (default all: tests,
-# flash, slice). flashkern = flash with the decode-size kernels on (GLM_RAY_CUDA_FP8_SMALL_M=64,
+# flash, slice). TESTS=files picks GPU test files. flashkern = flash with both decode-size kernels at 64 (GLM_RAY_CUDA_FP8_SMALL_M=64,
 # GLM_RAY_CUDA_MOE_DECODE_PAIRS=64), graphs only; kern = their microbenchmarks (the thresholds' A/B).
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; PART=${PART:-all}

@@ -28,8 +28,8 @@
   merged by log-sum-exp) over the block table (dense) or the DSA top-k positions (sparse). Reference
   when: not CUDA, sm < 80, not bf16/fp16, more than one query per sequence (a forced absorbed prefill),
   a bool-mask selection (the k-pool indexer).
-* indexer_topk: decode groups score the paged key cache in one Triton kernel (indexer.py) + torch.topk.
-  Reference when: not CUDA, sm < 80, more than one query per sequence (prefill).
+* indexer_topk: decode groups score the paged key cache in one Triton kernel (indexer.py), then the
+  multi-program radix select of topk.py (GLM_RAY_CUDA_INDEXER_TOPK=torch: torch.topk). Reference when: not CUDA, sm < 80, more than one query per sequence (prefill).
 * moe_routing: one Triton kernel (routing.py). Reference when: not CUDA, sm < 70, E > 1024.
 * mla_kv_write / indexer_key_write: norm + rope + cast + scatter of a token's cache row in one Triton launch
   (cache_write.py). Reference when: not CUDA, sm < 80, an activation / weight / cache dtype other than
@@ -44,7 +44,8 @@
   broken for the process: logged with its traceback, reference from then on (`_guarded`).
 gate_mode must be "separated" everywhere (the torch contract check raises otherwise).
 
-No host syncs on the hot paths: routing is sorted with device ops (`layout.moe_align`), grids are sized
+No host syncs on the hot paths: routing is aligned on the device (moe_align.py: one launch at decode sizes;
+`layout.moe_align`'s device ops above), grids are sized
 from shapes, unused blocks exit on a device-side count. The `_scaled_mm` self-check syncs once per
 K at load time (never during CUDA-graph capture).
 """
