@@ -1,4 +1,4 @@
-"""`glm-ray` command line: serve | generate | make-tiny | quantize | bench."""
+"""`glm-ray` command line: serve | generate | make-tiny | quantize | bench | eval."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,7 @@ import time
 from glm_ray import __version__, envs
 from glm_ray.bench import cli as bench_cli
 from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.eval import cli as eval_cli
 from glm_ray.model import quantize
 from glm_ray.model.tiny import bundled_config, default_tiny_model, write_tiny
 from glm_ray.serve import proxy_middleware
@@ -207,7 +208,7 @@ def cmd_serve(a) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glm-ray", description=__doc__)
     parser.add_argument("--version", action="version", version=f"glm-ray {__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{serve,generate,make-tiny,quantize,bench}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{serve,generate,make-tiny,quantize,bench,eval}")
 
     p = sub.add_parser("serve", help="start a local Ray + the OpenAI-compatible app (Ctrl-C stops both)",
                        description="Start a local Ray (or join one with --address) and serve the "
@@ -261,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     quantize.add_parser(sub)
     bench_cli.add_parser(sub)
+    eval_cli.add_parser(sub)
     return parser
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "glm_ray"
 
 LAYERS: list[tuple[str, ...]] = [            # top to bottom
-    ("glm_ray", "glm_ray.cli", "glm_ray.bench"),    # the package's own __init__ re-exports (LLM, SamplingParams)
+    ("glm_ray", "glm_ray.cli", "glm_ray.bench", "glm_ray.eval"),    # the package's own __init__ re-exports (LLM, SamplingParams)
     ("glm_ray.serve",),
     ("glm_ray.llm",),
     ("glm_ray.engine",),

@@ -1,0 +1,1 @@
+"""Accuracy checks against OpenAI-compatible servers (`glm-ray eval ...`)."""
