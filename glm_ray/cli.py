@@ -60,6 +60,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "default runs it inside rank 0's worker, beside its GPU)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly (no CUDA graphs; they are on by default on NVIDIA GPUs)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and launch step N+1 before step N's tokens are read back (TP=1; vLLM's flag): "
+                        "the host's per-step work overlaps the GPU, outputs unchanged")
     p.add_argument("--fp8-proj-min-tokens", type=int, default=512,
                    help="with --fp8-proj-gemm: forward batches of more than this many tokens take the FP8 GEMM "
                         "(H200 step A/B: FP8 pays from ~2k tokens at GLM-5 shapes; at glm5-flash-31b's the "
@@ -86,7 +89,7 @@ def cmd_generate(a) -> int:
               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
               block_size=a.block_size, gpu_memory_utilization=a.gpu_memory_utilization,
               fp8_proj_gemm=a.fp8_proj_gemm, fp8_proj_min_tokens=a.fp8_proj_min_tokens,
-              enforce_eager=a.enforce_eager)
+              enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling)
     tok = llm.get_tokenizer()
     prompts = a.prompt or ["Hello, my name is"]
     if a.chat and tok is not None:
@@ -119,6 +122,8 @@ def serve_app_args(a) -> dict:
         args["fp8_proj_gemm"] = True
     if a.enforce_eager:
         args["enforce_eager"] = True
+    if a.async_scheduling:
+        args["async_scheduling"] = True
     if getattr(a, "engine_in_router", False):
         args["engine_in_worker"] = False
     if a.served_model_name:

@@ -347,6 +347,8 @@ class EngineConfig:
     fp8_proj_gemm: bool = False                # issue 5: prefill-only FP8 q_b/o_proj GEMM
     fp8_proj_min_tokens: int = 512
     enforce_eager: bool = False                # True: no CUDA graphs for decode steps (vLLM's --enforce-eager)
+    # schedule and launch step N+1 before reading step N's tokens back (vLLM's --async-scheduling); TP=1
+    async_scheduling: bool = False
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -368,13 +370,13 @@ def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str 
                        block_size: int = 16, kv_cache_memory_bytes: int | None = None,
                        gpu_memory_utilization: float = 0.9, max_waiting: int = 4096, seed: int = 0,
                        fp8_proj_gemm: bool | None = None, fp8_proj_min_tokens: int = 512,
-                       enforce_eager: bool = False) -> EngineConfig:
+                       enforce_eager: bool = False, async_scheduling: bool = False) -> EngineConfig:
     if fp8_proj_gemm is None:       # the flag's third spelling: GLM_RAY_FP8_PROJ_GEMM=1
         fp8_proj_gemm = envs.FP8_PROJ_GEMM.get()
     return EngineConfig(
         model=model, dtype=dtype, device=device, load_format=load_format, kernel_backend=kernel_backend,
         mla_mode=mla_mode, seed=seed, fp8_proj_gemm=fp8_proj_gemm, fp8_proj_min_tokens=fp8_proj_min_tokens,
-        enforce_eager=enforce_eager, cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
+        enforce_eager=enforce_eager, async_scheduling=async_scheduling, cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
                           gpu_memory_utilization=gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, max_waiting=max_waiting),

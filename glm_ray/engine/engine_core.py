@@ -121,6 +121,13 @@ class EngineCore:
         self.num_preemptions = 0
         self.step_history: deque[StepStats] = deque(maxlen=2048)
         self.eos = set(self.model_cfg.eos_token_ids)
+        # async scheduling: step N+1 is scheduled and launched before step N's tokens are read back
+        self.async_scheduling = cfg.async_scheduling and hasattr(executor, "launch")
+        if cfg.async_scheduling and not self.async_scheduling:
+            logger.warning("async scheduling needs an in-process executor (TP=1); steps run synchronously")
+        self.scheduler.async_mode = self.async_scheduling
+        self.scheduler.max_model_len = self.max_model_len
+        self._inflight: tuple[SchedulerOutput, object] | None = None      # launched, not collected
         logger.info("engine ready: %d KV blocks (%d tokens), max_model_len %d", self.kv.num_blocks,
                     self.kv.capacity_tokens, self.max_model_len)
 
@@ -163,10 +170,12 @@ class EngineCore:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
+        if self.async_scheduling:
+            return self._step_async()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -182,6 +191,35 @@ class EngineCore:
             num_prefill_tokens=sum(len(s.token_ids) for s in sched.seqs if len(s.token_ids) > 1 or not s.sample),
             num_decode_seqs=sum(1 for s in sched.seqs if len(s.token_ids) == 1 and s.sample),
             num_preempted=sched.num_preempted, schedule_s=t1 - t0, execute_s=t2 - t1, update_s=t3 - t2,
+            worker_timings=result.timings if result is not None else {})
+        self.step_history.append(self.last_stats)
+        return deltas
+
+    def _step_async(self) -> list[TokenDelta]:
+        """Schedule and launch step N+1, then read step N's tokens back and apply them: the host's
+        scheduling, input preparation and launches overlap step N on the device, and detokenization /
+        stop checks of step N overlap step N+1."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        launched = None
+        if not sched.is_empty or sched.finished_req_ids:
+            launched = (sched, self.executor.launch(sched))
+        t2 = time.perf_counter()
+        prev, self._inflight = self._inflight, launched
+        if prev is None:
+            return []
+        psched, pending = prev
+        result = self.executor.collect(pending)
+        t3 = time.perf_counter()
+        deltas = self._update(psched, result)
+        self.num_preemptions += psched.num_preempted
+        t4 = time.perf_counter()
+        self.last_stats = StepStats(
+            num_tokens=psched.num_tokens,
+            num_prefill_tokens=sum(len(s.token_ids) for s in psched.seqs if len(s.token_ids) > 1 or not s.sample),
+            num_decode_seqs=sum(1 for s in psched.seqs if len(s.token_ids) == 1 and s.sample),
+            num_preempted=psched.num_preempted, schedule_s=t1 - t0, execute_s=(t2 - t1) + (t3 - t2), update_s=t4 - t3,
             worker_timings=result.timings if result is not None else {})
         self.step_history.append(self.last_stats)
         return deltas
@@ -219,7 +257,10 @@ class EngineCore:
 
     def _update_one(self, req: Request, s, result, now: float) -> TokenDelta | None:
         """Apply one scheduled sequence's results to its request; the delta to emit, if any."""
-        req.num_computed_tokens += len(s.token_ids)
+        if not self.async_scheduling:
+            req.num_computed_tokens += len(s.token_ids)        # (async: advanced when scheduled)
+        elif s.sample:
+            req.num_inflight -= 1
         plp = None
         if s.prompt_logprobs and s.req_id in result.prompt_logprobs:
             if req.prompt_logprobs is None:

@@ -26,7 +26,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[LogprobDict] | None = None
     prompt_logprobs: list[LogprobDict | None] | None = None
-    num_computed_tokens: int = 0                      # tokens whose KV is in the cache
+    num_computed_tokens: int = 0                      # tokens whose KV is in the cache (or being computed)
+    num_inflight: int = 0                             # async scheduling: sampled tokens not read back yet
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None                     # row in the recurrent-state caches while running
     status: RequestStatus = RequestStatus.WAITING

@@ -13,6 +13,12 @@ given back on preemption or finish.
 
 Its output is the per-step message to the workers (`SchedulerOutput`, engine/contract.py): a diff
 (new requests once, new block ids, finished ids), not the whole state.
+
+Async scheduling (`async_mode`): step N+1 is scheduled before step N's sampled tokens are known. A
+request's progress (`num_computed_tokens`) then advances when it is scheduled, and a token still being
+sampled (`num_inflight`) is scheduled as a -1 placeholder the worker takes from the device. A request
+whose in-flight token is certain to end it by length (max_tokens, max_model_len) is not scheduled
+again; one that ends on a stop condition costs one discarded token.
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []     # to tell the workers next step
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))   # state slots; pop() -> lowest
+        self.async_mode = False                 # set by the engine (async scheduling)
+        self.max_model_len: int | None = None   # set by the engine: a length-finished request is not rescheduled
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -70,7 +78,10 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_inflight and self._ends_by_length(req):
+                idx += 1                        # its in-flight token is its last: nothing more to compute
+                continue
+            n = min(req.num_tokens + req.num_inflight - req.num_computed_tokens, budget)
             while not self.kv.can_allocate(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -88,6 +99,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted_now
                and len(self.running) < self.cfg.max_num_seqs):
             req = self.waiting[0]
+            if req.num_inflight:
+                break                           # preempted with a token in flight: back once it is known
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.can_allocate(req, req.num_computed_tokens + n):
                 break
@@ -108,17 +121,28 @@ class Scheduler:
         new_blocks = self.kv.allocate(req, req.num_computed_tokens + n)
         start = req.num_computed_tokens
         end = start + n
+        known = req.all_token_ids[start:end]
+        sample = end == req.num_tokens + req.num_inflight
         out.seqs.append(ScheduledSeq(
             req_id=req.request_id,
-            token_ids=req.all_token_ids[start:end],
+            token_ids=known + [-1] * (n - len(known)),          # -1: the in-flight token (async scheduling)
             start_pos=start,
             block_ids=list(req.block_ids) if req.blocks_reset else new_blocks,
             reset_blocks=req.blocks_reset,
-            sample=end == req.num_tokens,
-            prompt_logprobs=req.params.prompt_logprobs is not None and not req.prompt_logprobs_done,
+            sample=sample,
+            prompt_logprobs=(req.params.prompt_logprobs is not None and not req.prompt_logprobs_done
+                             and start < req.num_prompt_tokens),
             state_slot=req.state_slot,
         ))
         req.blocks_reset = False
+        if self.async_mode:                     # progress advances now; the token is read back later
+            req.num_computed_tokens = end
+            req.num_inflight += int(sample)
+
+    def _ends_by_length(self, req: Request) -> bool:
+        n = len(req.output_token_ids) + req.num_inflight
+        return n >= req.max_tokens or (self.max_model_len is not None
+                                       and req.num_tokens + req.num_inflight >= self.max_model_len)
 
     def _release_slot(self, req: Request) -> None:
         self._free_slots.append(req.state_slot)

@@ -51,6 +51,7 @@ class ServeArgs:
     fp8_proj_gemm: bool = False            # also GLM_RAY_FP8_PROJ_GEMM=1
     fp8_proj_min_tokens: int = 512
     enforce_eager: bool = False            # no decode CUDA graphs
+    async_scheduling: bool = False         # overlap step N+1's scheduling and launch with step N (TP=1)
     engine_in_worker: bool = True          # the engine loop runs in rank 0's actor (no Ray call per step)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

@@ -49,7 +49,8 @@ class Router:
             max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len, block_size=a.block_size,
             kv_cache_memory_bytes=int(a.kv_cache_memory_gb * 2**30) if a.kv_cache_memory_gb else None,
             gpu_memory_utilization=a.gpu_memory_utilization, max_waiting=a.max_queued_requests,
-            fp8_proj_gemm=a.fp8_proj_gemm, fp8_proj_min_tokens=a.fp8_proj_min_tokens, enforce_eager=a.enforce_eager)
+            fp8_proj_gemm=a.fp8_proj_gemm, fp8_proj_min_tokens=a.fp8_proj_min_tokens, enforce_eager=a.enforce_eager,
+            async_scheduling=a.async_scheduling)
         engine_cls = RemoteEngine if a.engine_in_worker else LocalEngine
         self.engine = engine_cls(self.cfg, model, _worker_name_prefix())
         self.model_path = model

@@ -88,11 +88,14 @@ class DecodeGraphs:
         self.state_slots = torch.zeros(n, dtype=i64, device=device)         # [N]
         self.state_fresh = torch.zeros(n, dtype=torch.bool, device=device)  # [N]
         self._pad = dict(block=pad_block, slot=pad_block * block_size, state=pad_state_slot)
-        # host staging, pinned so the per-step copies are asynchronous
+        # host staging, pinned so the per-step copies are asynchronous; two sets, alternating, so a step
+        # staged while the previous one's copies may still be queued (async scheduling) never overwrites
+        # them: a set is reused only after the event recorded behind its copies
         pin = device.type == "cuda"
-        self._h_rows = torch.zeros(5, n, dtype=i64, pin_memory=pin)         # ids, pos, slot, ctx, state
-        self._h_bt = torch.zeros(n, max_blocks, dtype=i32, pin_memory=pin)
-        self._h_bt_np = self._h_bt.numpy()                                  # same memory
+        self._h_rows = [torch.zeros(5, n, dtype=i64, pin_memory=pin) for _ in range(2)]   # ids, pos, slot, ctx, state
+        self._h_bt = [torch.zeros(n * max_blocks, dtype=i32, pin_memory=pin) for _ in range(2)]   # [B, w] used
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._set = 0
         self.graphs: dict[tuple[int, int], _Graph] = {}                    # (batch, capacity)
         self.pool = None
         self.replay_s = 0.0                                                 # host seconds inside replay()
@@ -154,13 +157,17 @@ class DecodeGraphs:
                 and self._smallest(self.capacities, max_context_len) is not None)
 
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[np.ndarray],
-            state_slots: list[int]) -> torch.Tensor:
+            state_slots: list[int], patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Stage one decode step of B = len(token_ids) sequences and replay its graph -> hidden [B, D]
-        (a view of the graph's output buffer: valid until the next replay). block_tables: int32 arrays."""
+        (a view of the graph's output buffer: valid until the next replay). block_tables: int32 arrays.
+        patch: (rows, ids) on the device written over the staged token ids (tokens the previous step is
+        still sampling, async scheduling)."""
         B = len(token_ids)
         Bp = self._smallest(self.buckets, B)
         cap = self._smallest(self.capacities, max(positions) + 1)
         self._stage(token_ids, positions, slots, block_tables, state_slots, Bp)
+        if patch is not None:
+            self.ids[patch[0]] = patch[1]
         g = self.graphs.get((Bp, cap))
         if g is None:                    # not captured (the CPU tests): the same static-buffer forward, eagerly
             return self._forward(Bp, self._batch(Bp, cap))[:B]
@@ -170,17 +177,21 @@ class DecodeGraphs:
         return g.hidden[:B]
 
     def _stage(self, token_ids, positions, slots, block_tables, state_slots, Bp: int) -> None:
-        """Copy one step's values into the static buffers (pinned host staging, async H2D copies).
-        NOTE: the staging buffers are reused next step; the step's host sync on the sampled tokens
-        orders that after these copies."""
+        """Copy one step's values into the static buffers (pinned host staging, async H2D copies)."""
         B = len(token_ids)
-        h = self._h_rows
+        k = self._set = 1 - self._set                                       # the other staging set
+        if self._copied[k] is not None:
+            self._copied[k].synchronize()                                   # its copies (two steps ago) ran
+        h = self._h_rows[k]
         h[:, :B] = torch.tensor([token_ids, positions, slots, [p + 1 for p in positions], state_slots],
                                 dtype=torch.int64)
         # only the columns in use: entries past a sequence's blocks are never read (kernels stop at
         # context_lens; the references mask past it)
+        # staged compactly as [B, w] (contiguous: a strided pinned source would go through a pageable
+        # copy, which waits for the GPU)
         w = max(len(t) for t in block_tables)
-        bt = self._h_bt_np
+        hb = self._h_bt[k][:B * w].view(B, w)
+        bt = hb.numpy()                                                     # same memory
         for i, t in enumerate(block_tables):                                # per sequence, not per token
             bt[i, :len(t)] = t
         self.ids[:B].copy_(h[0, :B], non_blocking=True)
@@ -188,7 +199,10 @@ class DecodeGraphs:
         self.slot_mapping[:B].copy_(h[2, :B], non_blocking=True)
         self.context_lens[:B].copy_(h[3, :B], non_blocking=True)
         self.state_slots[:B].copy_(h[4, :B], non_blocking=True)
-        self.block_table[:B, :w].copy_(self._h_bt[:B, :w], non_blocking=True)
+        self.block_table[:B, :w].copy_(hb, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[k] = torch.cuda.Event()
+            self._copied[k].record()
         self.state_fresh[:Bp].zero_()                                       # a decode never starts at 0
         if Bp > B:
             self._fill_padding(B, Bp)

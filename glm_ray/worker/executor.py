@@ -29,6 +29,13 @@ class LocalExecutor:
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute(step)
 
+    # async scheduling (the engine launches step N+1 before it collects step N): in-process ranks only
+    def launch(self, step: SchedulerOutput):
+        return self.worker.launch(step)
+
+    def collect(self, pending) -> ModelRunnerOutput:
+        return self.worker.collect(pending)
+
     def check_health(self) -> None:
         return None
 

@@ -48,6 +48,22 @@ class ReqState:
         return self._block_arr
 
 
+@dataclass
+class PendingStep:
+    """A launched step (rank 0): its sampled tokens still on the device until `ModelRunner.collect`."""
+    done: ModelRunnerOutput | None = None          # the finished output (failures, empty steps, collected)
+    out: ModelRunnerOutput | None = None           # being filled: prompt logprobs, failed rows
+    tokens: torch.Tensor | None = None             # [N] sampled ids of the sampling rows
+    raw: torch.Tensor | None = None                # [N, V] raw logprobs
+    req_ids: list[str] = field(default_factory=list)
+    n_logprobs: list[int | None] = field(default_factory=list)
+    k: int = 0
+    want: bool = False
+    t0: float = 0.0
+    t1: float = 0.0
+    t2: float = 0.0
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module, device: torch.device,
                  num_blocks: int):
@@ -67,6 +83,10 @@ class ModelRunner:
                     num_blocks * self.block_size * kv_bytes_per_token(model_cfg, model_cfg.dtype) / 2**20)
         self.graphs: DecodeGraphs | None = self._capture_graphs(num_blocks) if use_graphs else None
         self.num_graph_steps = 0                                                # decode steps replayed
+        # async scheduling: the last launch's sampled tokens (device) and rows, and the launch not collected
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
+        self._pending: PendingStep | None = None
 
     def _capture_graphs(self, num_blocks: int) -> DecodeGraphs | None:
         """Decode CUDA graphs (worker/cuda_graph.py); on any capture failure, eager with an error log."""
@@ -105,17 +125,27 @@ class ModelRunner:
             if s.reset_blocks or s.block_ids:
                 st._block_arr = None
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step, synchronously: `collect(launch(step))`."""
+        return self.collect(self.launch(step))
+
+    @torch.inference_mode()
+    def launch(self, step: SchedulerOutput) -> PendingStep:
+        """Run the step's forward and launch its sampling; the host does not wait for the tokens.
+
+        A decode token that is still being sampled by the previous launch (async scheduling) arrives as
+        a -1 placeholder and is taken from that launch's token tensor on the device. Rows whose sampling
+        needs the host's view of their outputs (penalties, min_tokens) first collect the previous launch."""
         t0 = time.perf_counter()
         self._update_states(step)
         if step.is_empty:
-            return ModelRunnerOutput() if tp_rank() == 0 else None
+            return PendingStep(done=ModelRunnerOutput() if tp_rank() == 0 else None)
         seqs = step.seqs
         try:
             flat = [t for s in seqs for t in s.token_ids]
             if self.faults is not None:
                 self.faults.before_forward(flat)
+            patch = self._placeholders(seqs, flat)
             qlens = [len(s.token_ids) for s in seqs]
             tables = [self.requests[s.req_id].block_ids for s in seqs]
             # rows of hidden states to turn into logits: every sampling seq's last token, plus the
@@ -125,9 +155,11 @@ class ModelRunner:
             if self._graph_step(seqs):
                 self.num_graph_steps += 1
                 t1 = time.perf_counter()
-                hidden = self._replay(seqs, flat, tables)                         # [B, D]
+                hidden = self._replay(seqs, flat, tables, patch)                  # [B, D]
             else:
                 ids = torch.tensor(flat, dtype=torch.long).to(self.device)
+                if patch is not None:
+                    ids[patch[0]] = patch[1]
                 batch = build_forward_batch(qlens, [s.start_pos + len(s.token_ids) for s in seqs], tables,
                                             self.block_size, self.device, self.cfg.mla_mode,
                                             [s.state_slot for s in seqs])
@@ -137,60 +169,115 @@ class ModelRunner:
             plp = self._prompt_logprobs(seqs, hidden, ends)
             del hidden
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the runner goes on
-            return self._fail_step([s.req_id for s in seqs], e)
+            self._last_rows = {}
+            return PendingStep(done=self._fail_step([s.req_id for s in seqs], e))
         t2 = time.perf_counter()
         if tp_rank() != 0:
-            return None
-        out = ModelRunnerOutput(prompt_logprobs=plp)
-        sampling = [s for s in seqs if s.sample]
+            return PendingStep(done=None)
+        pending = PendingStep(out=ModelRunnerOutput(prompt_logprobs=plp), t0=t0, t1=t1, t2=t2)
+        sampling = [s.req_id for s in seqs if s.sample]
+        self._last_rows = {}
         if sampling:
-            self._sample(out, [s.req_id for s in sampling], logits)
+            states = [self.requests[r] for r in sampling]
+            if self._pending is not None and any(st.params.needs_penalties or st.params.min_tokens for st in states):
+                self.collect(self._pending)              # their sampling reads the host's output lists
+            self._launch_sample(pending, sampling, states, logits)
+        self._pending = pending
+        return pending
+
+    def collect(self, pending: PendingStep) -> ModelRunnerOutput | None:
+        """Wait for a launched step's tokens (the one host sync of a step) and finish its output."""
+        if pending.done is not None or pending.out is None:
+            return pending.done
+        out = pending.out
+        if pending.tokens is not None:
+            try:
+                tok_list = pending.tokens.tolist()                              # the one host sync per step
+                lps = gather_logprobs(pending.raw, pending.tokens, pending.k) if pending.want else None
+            except Exception as e:  # noqa: BLE001 - an asynchronous failure of the step's sampling
+                out.failed.update(self._fail_step(pending.req_ids, e).failed)
+            else:
+                for i, (rid, tok) in enumerate(zip(pending.req_ids, tok_list)):
+                    st = self.requests.get(rid)
+                    if st is not None:
+                        st.output_ids.append(tok)
+                    out.sampled[rid] = tok
+                    n = pending.n_logprobs[i]
+                    if n is not None:
+                        out.logprobs[rid] = to_logprob_dict(tok, lps[0][i], *lps[1][i], n)
         t3 = time.perf_counter()
-        out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2}
+        out.timings = {"prepare": pending.t1 - pending.t0, "forward": pending.t2 - pending.t1, "sample": t3 - pending.t2}
         timer = collective_timer()
         if timer is not None:
             out.timings["collectives"] = timer.collect()     # inside "forward" (and the lm_head gather)
+        pending.done, pending.out = out, None
+        if self._pending is pending:
+            self._pending = None
         return out
+
+    def _placeholders(self, seqs, flat: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows of T, their token ids on the device) for decode tokens the previous launch is still
+        sampling (-1 in token_ids), or None. A placeholder whose request got no token from that launch
+        (its step failed: the engine fails the request when it reads that step) computes token 0, and
+        its result is discarded."""
+        dst, src, row = [], [], 0
+        for s in seqs:                                                      # per sequence, not per token
+            if s.token_ids[-1] < 0:
+                assert len(s.token_ids) == 1, "a placeholder is a decode step's one token"
+                flat[row] = 0
+                if s.req_id in self._last_rows:
+                    dst.append(row)
+                    src.append(self._last_rows[s.req_id])
+            row += len(s.token_ids)
+        if not dst:
+            return None
+        return to_device(dst, self.device, torch.long), self._last_tokens[to_device(src, self.device, torch.long)]
 
     def _graph_step(self, seqs) -> bool:
         """A pure-decode step the captured graphs cover (no prompt logprobs, sizes within the buckets)."""
         return (self.graphs is not None and all(len(s.token_ids) == 1 and not s.prompt_logprobs for s in seqs)
                 and self.graphs.fits(len(seqs), max(s.start_pos for s in seqs) + 1))
 
-    def _replay(self, seqs, flat: list[int], tables: list[list[int]]) -> torch.Tensor:
+    def _replay(self, seqs, flat: list[int], tables: list[list[int]], patch=None) -> torch.Tensor:
         bs = self.block_size
         pos = [s.start_pos for s in seqs]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]         # per sequence
         arrays = [self.requests[s.req_id].block_array() for s in seqs]
-        return self.graphs.run(flat, pos, slots, arrays, [s.state_slot for s in seqs])
+        return self.graphs.run(flat, pos, slots, arrays, [s.state_slot for s in seqs], patch=patch)
 
-    def _sample(self, out: ModelRunnerOutput, req_ids: list[str], logits: torch.Tensor) -> None:
-        """Sample every row at once; if that raises, row by row, failing only the rows that raise."""
+    def _launch_sample(self, pending: PendingStep, req_ids: list[str], states: list[ReqState],
+                       logits: torch.Tensor) -> None:
+        """Sample every row at once (the tokens stay on the device until `collect`); if that raises,
+        row by row, failing only the rows that raise."""
         try:
-            self._sample_rows(out, req_ids, logits)
+            tokens, raw = self._sample_rows(states, logits)
+            ok = list(range(len(req_ids)))
         except Exception:  # noqa: BLE001 - the error path only: find the rows that fail
-            for i, rid in enumerate(req_ids):          # NOTE: per-row loop on the error path only
+            ok, toks, raws = [], [], []
+            for i, (rid, st) in enumerate(zip(req_ids, states)):    # NOTE: per-row loop on the error path only
                 try:
-                    self._sample_rows(out, [rid], logits[i:i + 1])
+                    t, r = self._sample_rows([st], logits[i:i + 1])
                 except Exception as e:  # noqa: BLE001
-                    out.failed.update(self._fail_step([rid], e).failed)
+                    pending.out.failed.update(self._fail_step([rid], e).failed)
+                    continue
+                ok.append(i)
+                toks.append(t)
+                raws.append(r)
+            if not ok:
+                return
+            tokens, raw = torch.cat(toks), torch.cat(raws)
+        pending.tokens, pending.raw = tokens, raw                           # [N], [N, V] on the device
+        pending.req_ids = [req_ids[i] for i in ok]
+        pending.n_logprobs = [states[i].params.logprobs for i in ok]
+        pending.k = max((n or 0) for n in pending.n_logprobs)
+        pending.want = any(n is not None for n in pending.n_logprobs)
+        self._last_tokens, self._last_rows = tokens, {r: i for i, r in enumerate(pending.req_ids)}
 
-    def _sample_rows(self, out: ModelRunnerOutput, req_ids: list[str], logits: torch.Tensor) -> None:
-        states = [self.requests[r] for r in req_ids]
+    def _sample_rows(self, states: list[ReqState], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.faults is not None:
             self.faults.before_sample([st.prompt_ids for st in states])
         rows = [SamplingRow(st.params, st.generator, st.prompt_ids, st.output_ids, self.eos) for st in states]
-        tokens, raw = sample(logits, rows)
-        tok_list = tokens.tolist()                                          # the one host sync per step
-        k = max((r.params.logprobs or 0) for r in rows)
-        want = any(r.params.logprobs is not None for r in rows)
-        lps = gather_logprobs(raw, tokens, k) if want else None
-        for i, (rid, st, tok) in enumerate(zip(req_ids, states, tok_list)):
-            st.output_ids.append(tok)
-            out.sampled[rid] = tok
-            n = rows[i].params.logprobs
-            if n is not None:
-                out.logprobs[rid] = to_logprob_dict(tok, lps[0][i], *lps[1][i], n)
+        return sample(logits, rows)
 
     def _fail_step(self, req_ids: list[str], e: BaseException) -> ModelRunnerOutput:
         kind = classify(e)

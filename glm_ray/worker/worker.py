@@ -112,5 +112,12 @@ class Worker:
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute(step)
 
+    def launch(self, step: SchedulerOutput):
+        """Async scheduling: the step's forward and sampling launched, tokens not read back (`collect`)."""
+        return self.runner.launch(step)
+
+    def collect(self, pending) -> ModelRunnerOutput | None:
+        return self.runner.collect(pending)
+
     def ping(self) -> int:
         return self.rank
