@@ -104,3 +104,21 @@ def test_graph_decode_step_waits_on_the_gpu_once(oracle_dir):
            for i, t in enumerate((0.0, 0.7, 1.0))]
     llm.generate(_prompts()[:3], sps, use_tqdm=False)
     assert len(syncs) >= 10 and max(syncs) == 1, syncs
+
+
+def test_async_scheduling_equals_sync_with_graphs(oracle_dir):
+    """Async scheduling with CUDA graphs (in-flight tokens patched into the graph's static ids on the
+    device) == the synchronous loop: fp32, the same greedy tokens, logprobs within 1e-3."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    outs = []
+    for async_scheduling in (False, True):
+        llm = LLM(oracle_dir, device="cuda", dtype="float32", kv_cache_memory_bytes=256 << 20, max_num_seqs=8,
+                  max_model_len=1024, async_scheduling=async_scheduling)
+        assert llm.engine.async_scheduling == async_scheduling
+        sps = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (40, 5, 33, 20, 24, 9, 17)]
+        outs.append(llm.generate(_prompts(), sps, use_tqdm=False))
+        assert llm.engine.executor.worker.runner.num_graph_steps >= 30
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-3
