@@ -169,6 +169,14 @@ class EngineCore:
         self.detoks.pop(request_id, None)
         return True
 
+    def set_async_scheduling(self, on: bool) -> bool:
+        """Switch async scheduling between runs (in-process A/B); needs an idle engine. Returns the mode
+        in effect (off where the executor cannot launch and collect separately)."""
+        if self.has_unfinished():
+            raise RuntimeError("switch async scheduling only while the engine is idle")
+        self.async_scheduling = self.scheduler.async_mode = bool(on) and hasattr(self.executor, "launch")
+        return self.async_scheduling
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._inflight is not None
 

@@ -116,3 +116,12 @@ def test_async_on_the_graph_static_path(oracle_dir, monkeypatch):
     asyn, llm = _run(oracle_dir, params, True, max_num_seqs=8)
     assert llm.engine.executor.worker.runner.num_graph_steps >= 8
     assert asyn == sync
+
+
+def test_offline_bench_ab_switches_the_loop(oracle_dir):
+    """`bench.offline --scheduling sync async`: both loops on one engine, interleaved, rows say which."""
+    from glm_ray.bench import offline
+    rows = offline.run(oracle_dir, [2], 8, 6, scheduling=("sync", "async"), repeats=2, dtype="float32",
+                       kv_cache_memory_bytes=32 << 20)
+    assert [r["scheduling"] for r in rows] == ["sync", "async", "async", "sync"]
+    assert all(r["decode_step_ms"] > 0 and r["output_tok_s"] > 0 for r in rows)
