@@ -42,6 +42,13 @@ def _nonneg_int(raw: str) -> int:
     return v
 
 
+def _positive_float(raw: str) -> float:
+    v = float(raw)
+    if not v > 0:
+        raise ValueError("expected a number > 0")
+    return v
+
+
 def _names(raw: str) -> frozenset[str]:
     return frozenset(n.strip() for n in raw.split(",") if n.strip())
 
@@ -111,6 +118,10 @@ CUDA_MOE_DECODE_PAIRS: EnvVar[int] = EnvVar(
 CUDA_INDEXER_TOPK: EnvVar[str] = EnvVar(
     "GLM_RAY_CUDA_INDEXER_TOPK", _choice("triton", "torch"), "triton", "cuda backend: top-k of the DSA indexer's "
     "decode path: the multi-program Triton radix select (kernels/cuda/topk.py) or torch.topk")
+STEP_TIMEOUT_S: EnvVar[float] = EnvVar(
+    "GLM_RAY_STEP_TIMEOUT_S", _positive_float, 600.0, "serving: an engine step running longer than this "
+    "fails the engine (its streams end with a 503, health fails, Serve replaces the replica): a rank "
+    "stuck in a collective whose peer died would otherwise hang every stream", "float")
 FAULT_INJECTION: EnvVar[str] = EnvVar(
     "GLM_RAY_FAULT_INJECTION", str, "", "reliability tests only: `KIND@TOKEN_ID,...` (KIND: exception, "
     "oom or sample) makes steps holding TOKEN_ID fail (worker/faults.py)", "spec")
@@ -120,7 +131,7 @@ LOG_LEVEL: EnvVar[str] = EnvVar(
 
 ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_THREADS, ORCHESTRATION,
                            TIME_COLLECTIVES, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
-                           CUDA_MOE_DECODE_PAIRS, CUDA_INDEXER_TOPK, FAULT_INJECTION, LOG_LEVEL)
+                           CUDA_MOE_DECODE_PAIRS, CUDA_INDEXER_TOPK, STEP_TIMEOUT_S, FAULT_INJECTION, LOG_LEVEL)
 
 
 # Not forwarded to the rank actors: they do not use it, and Ray records an actor's runtime_env in its logs.

@@ -57,3 +57,8 @@ def request_failure(error_type: str | None, message: str) -> EngineError:
     if error_type == StepOutOfMemoryError.error_type:
         return StepOutOfMemoryError(message)
     return RequestFailedError(message)
+
+
+class StepTimeoutError(RuntimeError):
+    """A serving engine step ran past GLM_RAY_STEP_TIMEOUT_S (e.g. a rank stuck in a collective whose
+    peer died): the engine is declared dead, its streams end with a 503 and health fails."""

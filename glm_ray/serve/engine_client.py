@@ -16,15 +16,28 @@ from typing import Callable
 
 import ray
 
+from glm_ray import envs
 from glm_ray.config import EngineConfig
 from glm_ray.engine.engine_core import EngineCore, validate_request
-from glm_ray.engine.errors import EngineOverloadedError
+from glm_ray.engine.errors import EngineOverloadedError, StepTimeoutError
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.tokenizer import load_tokenizer
 from glm_ray.serve.engine_host import Admission, EngineHostActor, StepBatch, engine_stats, step_batch
 from glm_ray.worker.worker_group import RayWorkerGroup
 
 logger = logging.getLogger(__name__)
+
+
+async def within_step_timeout(aw):
+    """Await one engine step (or the next StepBatch) for at most GLM_RAY_STEP_TIMEOUT_S; past it raise
+    StepTimeoutError, which the Router treats as a dead engine (streams end with a 503, health fails),
+    instead of every stream hanging on a rank stuck in a collective."""
+    limit = envs.STEP_TIMEOUT_S.get()
+    try:
+        return await asyncio.wait_for(aw, timeout=limit)
+    except asyncio.TimeoutError:
+        raise StepTimeoutError(f"no engine step finished within {limit:g} s ({envs.STEP_TIMEOUT_S.name}): "
+                               "a rank is likely stuck") from None
 
 
 class LocalEngine:
@@ -74,7 +87,7 @@ class LocalEngine:
                 except asyncio.TimeoutError:
                     publish(step_batch(self.engine, [], {}))
                 continue
-            deltas = await loop.run_in_executor(self._thread, self.engine.step)   # raises: the engine is dead
+            deltas = await within_step_timeout(loop.run_in_executor(self._thread, self.engine.step))   # raises: dead
             self._last_ok = time.monotonic()
             publish(step_batch(self.engine, deltas, {}))
 
@@ -123,7 +136,11 @@ class RemoteEngine:
 
     async def run(self, publish: Callable[[StepBatch], None]) -> None:
         gen = self.host.outputs.options(num_returns="streaming").remote()
-        async for ref in gen:
+        while True:                 # the host publishes every step, and an idle tick every few seconds
+            try:
+                ref = await within_step_timeout(gen.__anext__())
+            except StopAsyncIteration:
+                break
             publish(await ref)                         # raises the engine's exception when it died
         raise RuntimeError("the engine loop stopped")
 

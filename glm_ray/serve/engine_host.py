@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 
 import ray
 
+from glm_ray import envs
 from glm_ray.engine.engine_core import EngineCore, summarize_steps
+from glm_ray.engine.errors import StepTimeoutError
 from glm_ray.engine.outputs import TokenDelta
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.tokenizer import load_tokenizer
@@ -129,6 +131,7 @@ class EngineHost(RankActor):
         self._wake = threading.Event()
         self._out: queue.Queue = queue.Queue()
         self._dead: BaseException | None = None
+        self._step_started: float | None = None                            # monotonic start of the running step
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
         return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.model_cfg.vocab_size,
@@ -163,6 +166,10 @@ class EngineHost(RankActor):
         if not self._thread.is_alive():
             raise RuntimeError("the engine loop thread is gone")
         now = time.monotonic()
+        started, limit = self._step_started, envs.STEP_TIMEOUT_S.get()
+        if started is not None and now - started > limit:
+            raise StepTimeoutError(f"an engine step has been running for {now - started:.0f} s (> "
+                                   f"{envs.STEP_TIMEOUT_S.name}={limit:g}): a rank is likely stuck")
         if not self.engine.has_unfinished() and now - getattr(self, "_probed", 0.0) > 5:
             self.engine.executor.check_health()
             self._probed = now
@@ -187,7 +194,9 @@ class EngineHost(RankActor):
                     self._wake.wait(timeout=_IDLE_TICK_S)
                     self._wake.clear()
                     continue
+                self._step_started = time.monotonic()
                 deltas = self.engine.step()
+                self._step_started = None
                 self._out.put(step_batch(self.engine, deltas, rejected))
                 last = time.monotonic()
         except BaseException as e:  # noqa: BLE001 - an executor failure: the engine is dead

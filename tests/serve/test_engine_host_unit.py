@@ -48,3 +48,48 @@ def test_abort_and_add_in_one_batch_and_after_running():
     h.abort("c")
     h.admission.apply(h.engine)
     assert h.engine.running == set() and not h.admission.orphans
+
+
+def test_a_step_past_the_timeout_fails_health(monkeypatch):
+    """A step stuck longer than GLM_RAY_STEP_TIMEOUT_S (a rank blocked in a collective whose peer died)
+    makes health raise, so Serve replaces the replica instead of its streams hanging."""
+    import time
+
+    import pytest
+
+    from glm_ray.engine.errors import StepTimeoutError
+    monkeypatch.setenv("GLM_RAY_STEP_TIMEOUT_S", "5")
+    h = _host()
+    h._dead, h._thread = None, threading.Thread(target=time.sleep, args=(2,))
+    h._thread.start()
+    h.engine.has_unfinished = lambda: True
+    h._step_started = time.monotonic() - 1.0              # a step running for 1 s: fine
+    h.health()
+    h._step_started = time.monotonic() - 6.0              # 6 s > 5 s
+    with pytest.raises(StepTimeoutError, match="running for 6 s"):
+        h.health()
+
+
+def test_within_step_timeout_raises_on_a_stalled_stream(monkeypatch):
+    """The Router's wait for the next StepBatch (or the in-Router engine's step) gives up after
+    GLM_RAY_STEP_TIMEOUT_S: the engine is declared dead and every stream ends with an error."""
+    import asyncio
+
+    import pytest
+
+    from glm_ray.engine.errors import StepTimeoutError
+    from glm_ray.serve.engine_client import within_step_timeout
+    monkeypatch.setenv("GLM_RAY_STEP_TIMEOUT_S", "0.2")
+
+    async def stream(stall_after: int):
+        for i in range(stall_after):
+            yield i
+        await asyncio.sleep(60)                           # a step that never ends
+        yield -1
+
+    async def drain():
+        gen, got = stream(3), []
+        while True:
+            got.append(await within_step_timeout(gen.__anext__()))
+    with pytest.raises(StepTimeoutError, match="no engine step finished within 0.2 s"):
+        asyncio.run(drain())
