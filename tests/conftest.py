@@ -67,6 +67,9 @@ EXTRA_APPS = [
     # every other app runs the default: the loop in rank 0's actor)
     {"name": "inrouter", "route_prefix": "/inrouter", "args": {"tp": 2, "engine_in_worker": False, "max_num_seqs": 4,
                                                                "served_model_name": "glm5-tiny-inrouter"}},
+    # async scheduling (step N+1 launched before step N's tokens are read back): tests/serve/test_async_served.py
+    {"name": "async", "route_prefix": "/async", "args": {"async_scheduling": True, "max_num_seqs": 4,
+                                                         "served_model_name": "glm5-tiny-async"}},
     {"name": "fp8on", "route_prefix": "/fp8on", "args": {"fp8_proj_gemm": True,
                                                          "served_model_name": "glm5-tiny-fp8on"}},
     # one running + one waiting request at most: for the overload (503) and worker-death tests
