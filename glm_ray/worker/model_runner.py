@@ -1,8 +1,12 @@
 """One TP rank's model, KV-cache tensors and per-request state; turns a `SchedulerOutput` into a
 forward pass and (on rank 0) sampled tokens.
 
-`execute(step)`:  update request states -> build inputs + ForwardBatch -> model -> logits of the
-positions that sample (and of prompt positions that want prompt logprobs) -> sample on rank 0.
+`execute(step)` = `collect(launch(step))`. `launch`: update request states -> build inputs +
+ForwardBatch (or stage a decode CUDA graph) -> model -> logits of the positions that sample (and of
+prompt positions that want prompt logprobs) -> sampling launched on rank 0, tokens left on the device.
+`collect`: the step's one host sync (the sampled ids), logprob dicts, outputs. Async scheduling calls
+them separately, launching step N+1 before collecting step N; a decode token step N is still sampling
+arrives as a -1 placeholder and is read from step N's token tensor on the device.
 
 A failure stays with the requests it belongs to: an exception in the forward fails every request of
 the step (reported in `ModelRunnerOutput.failed`, the caches and the runner stay usable); one in
