@@ -120,8 +120,10 @@ def _specialize(components: dict[str, Any], model_name: str | None, vocab_size: 
                                       "description": "refused: the server runs without "
                                                      "--trust-request-chat-template"}
         if model_name and "model" in props:
-            props["model"] = {"anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}],
-                              "title": "Model", "default": None}
+            # "" or null = the served model (vLLM accepts an empty name too); any other name is a 404
+            props["model"] = {"anyOf": [{"type": "string", "enum": [model_name, ""]}, {"type": "null"}],
+                              "title": "Model", "default": None,
+                              "description": "the served model id; empty or null means the same"}
         if vocab_size:
             for field in ("prompt", "stop_token_ids", "tokens"):
                 if field in props:
