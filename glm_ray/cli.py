@@ -132,6 +132,9 @@ def serve_app_args(a) -> dict:
         args["api_key"] = a.api_key
     if a.trust_request_chat_template:
         args["trust_request_chat_template"] = True
+    for name in ("kv_cache_memory_gb", "max_queued_requests", "ingress_replicas", "router_cpus", "accelerator_type"):
+        if getattr(a, name, None) is not None:
+            args[name] = getattr(a, name)
     return args
 
 
@@ -232,6 +235,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer <key>` on /v1/* (default: env GLM_RAY_API_KEY, else no key)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a `chat_template` in chat requests (refused by default)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="KV-cache size per rank in GiB (default: what --gpu-memory-utilization leaves; on CPU a "
+                        "fixed default)")
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="waiting-queue bound of the engine; beyond it requests get 503 + Retry-After")
+    p.add_argument("--ingress-replicas", type=int, default=1, help="replicas of the HTTP ingress deployment")
+    p.add_argument("--router-cpus", type=float, default=0.5, help="CPUs reserved for each Router replica")
+    p.add_argument("--accelerator-type", default=None,
+                   help="Ray accelerator type the GPU bundles are pinned to, e.g. H200 or AMD-Instinct-MI355X-OAM")
     p.add_argument("--ray-node-ip", default="127.0.0.1",
                    help="IP the local Ray's GCS, raylet, object manager and metrics export bind to "
                         "(a reachable IP only when other nodes must join)")
