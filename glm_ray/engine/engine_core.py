@@ -192,15 +192,7 @@ class EngineCore:
         result = self.executor.execute(sched)
         t2 = time.perf_counter()
         deltas = self._update(sched, result)
-        self.num_preemptions += sched.num_preempted
-        t3 = time.perf_counter()
-        self.last_stats = StepStats(
-            num_tokens=sched.num_tokens,
-            num_prefill_tokens=sum(len(s.token_ids) for s in sched.seqs if len(s.token_ids) > 1 or not s.sample),
-            num_decode_seqs=sum(1 for s in sched.seqs if len(s.token_ids) == 1 and s.sample),
-            num_preempted=sched.num_preempted, schedule_s=t1 - t0, execute_s=t2 - t1, update_s=t3 - t2,
-            worker_timings=result.timings if result is not None else {})
-        self.step_history.append(self.last_stats)
+        self._record(sched, result, schedule_s=t1 - t0, execute_s=t2 - t1, update_s=time.perf_counter() - t2)
         return deltas
 
     def _step_async(self) -> list[TokenDelta]:
@@ -213,7 +205,6 @@ class EngineCore:
         launched = None
         if not sched.is_empty or sched.finished_req_ids:
             launched = (sched, self.executor.launch(sched))
-        t2 = time.perf_counter()
         prev, self._inflight = self._inflight, launched
         if prev is None:
             return []
@@ -221,16 +212,20 @@ class EngineCore:
         result = self.executor.collect(pending)
         t3 = time.perf_counter()
         deltas = self._update(psched, result)
-        self.num_preemptions += psched.num_preempted
-        t4 = time.perf_counter()
+        self._record(psched, result, schedule_s=t1 - t0, execute_s=t3 - t1, update_s=time.perf_counter() - t3)
+        return deltas
+
+    def _record(self, sched: SchedulerOutput, result, *, schedule_s: float, execute_s: float,
+                update_s: float) -> None:
+        """The stats of the step whose results were just applied (`last_stats`, `step_history`)."""
+        self.num_preemptions += sched.num_preempted
         self.last_stats = StepStats(
-            num_tokens=psched.num_tokens,
-            num_prefill_tokens=sum(len(s.token_ids) for s in psched.seqs if len(s.token_ids) > 1 or not s.sample),
-            num_decode_seqs=sum(1 for s in psched.seqs if len(s.token_ids) == 1 and s.sample),
-            num_preempted=psched.num_preempted, schedule_s=t1 - t0, execute_s=(t2 - t1) + (t3 - t2), update_s=t4 - t3,
+            num_tokens=sched.num_tokens,
+            num_prefill_tokens=sum(len(s.token_ids) for s in sched.seqs if len(s.token_ids) > 1 or not s.sample),
+            num_decode_seqs=sum(1 for s in sched.seqs if len(s.token_ids) == 1 and s.sample),
+            num_preempted=sched.num_preempted, schedule_s=schedule_s, execute_s=execute_s, update_s=update_s,
             worker_timings=result.timings if result is not None else {})
         self.step_history.append(self.last_stats)
-        return deltas
 
     def _update(self, sched: SchedulerOutput, result) -> list[TokenDelta]:
         deltas: list[TokenDelta] = []

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from glm_ray.config import RopeConfig
+from glm_ray.kernels.torch_ref.rope import rope as rope_math
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -62,14 +63,5 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, rope: RopeCache, interleave: bool) -> torch.Tensor:
-    """x [T, ..., dim] -> rotated x (same dtype): out = (x1, x2) * (c, c) + (x2, x1) * (-s, s),
-    i.e. (x1 c - x2 s, x2 c + x1 s) with x1/x2 the even/odd (interleaved) or first/second halves."""
-    shape = (rope.cos.shape[0],) + (1,) * (x.dim() - 2) + (rope.cos.shape[1],)
-    c, s = rope.cos.view(shape).to(x.dtype), rope.sin.view(shape).to(x.dtype)   # no-op casts in practice
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        xs = torch.cat([x1, x2], -1)                                            # de-interleaved copy
-    else:
-        x1, x2 = x.chunk(2, dim=-1)
-        xs = x
-    return torch.addcmul(xs * c, torch.cat([x2, x1], -1), s)
+    """x [T, ..., dim] -> rotated x (same dtype): `kernels/torch_ref/rope.py` on the step's cos/sin."""
+    return rope_math(x, rope.cos, rope.sin, interleave)

@@ -8,8 +8,7 @@ ran before the writes became kernel ops, so it is bit-identical to it (and the C
 - RMSNorm = `weight * F.rms_norm(c.float()).to(c.dtype)` (fp32 statistics, cast back, then the weight:
   the result dtype is the promotion of weight and activation dtypes), as layers/norm.py's RMSNorm;
 - LayerNorm = `F.layer_norm` in the input dtype with weight and bias (the indexer's k_norm);
-- rope = `_apply_rope`, a copy of layers/rotary.py's `apply_rope` (kernels sit below layers, so it is not
-  imported; tests/kernels/test_cache_write_ops.py pins the two together bit for bit), with its de-interleaving
+- rope = `torch_ref/rope.py`, the function layers/rotary.py's `apply_rope` runs, with its de-interleaving
   output layout for interleave=True: the cached k_pe / key layout is the one attention and the indexer read.
 cos / sin are the `RopeCache` layout ([T, dim]: cos = (c, c), sin = (-s, s)); they are unused (may be None)
 when the rope width is 0 (NoPE, GLM-5.3-Flash).
@@ -21,19 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """layers/rotary.py `apply_rope` (same ops, same roundings): x [T, ..., dim], cos / sin [T, dim] ->
-    (x1, x2) * (c, c) + (x2, x1) * (-s, s), de-interleaved (evens then odds) when interleave."""
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-    c, s = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        xs = torch.cat([x1, x2], -1)                                            # de-interleaved copy
-    else:
-        x1, x2 = x.chunk(2, dim=-1)
-        xs = x
-    return torch.addcmul(xs * c, torch.cat([x2, x1], -1), s)
+from glm_ray.kernels.torch_ref.rope import rope
 
 
 def mla_kv_write(ckv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor | None,
@@ -46,7 +33,7 @@ def mla_kv_write(ckv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: 
     c = norm_weight * F.rms_norm(c.float(), (r,), eps=eps).to(c.dtype)       # [T, r] (RMSNorm.forward)
     k_pe = ckv[:, None, r:]                                                   # [T, 1, dr]
     if k_pe.shape[-1]:                                                        # dr = 0: NoPE
-        k_pe = _apply_rope(k_pe, cos, sin, interleave)
+        k_pe = rope(k_pe, cos, sin, interleave)
     kv_cache.index_copy_(0, slot_mapping, torch.cat([c, k_pe[:, 0]], -1).to(kv_cache.dtype))
 
 
@@ -57,6 +44,6 @@ def indexer_key_write(k: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.T
     in place at rows slot_mapping [T] int64 (rope on the FIRST rope_dim dims, the rest unchanged)."""
     ki = F.layer_norm(k, (k.shape[-1],), ln_weight, ln_bias, eps)            # [T, di] (LayerNorm.forward)
     if rope_dim:
-        ki = torch.cat([_apply_rope(ki[..., :rope_dim], cos, sin, interleave),
+        ki = torch.cat([rope(ki[..., :rope_dim], cos, sin, interleave),
                         ki[..., rope_dim:]], dim=-1)                          # [T, di]
     key_cache.index_copy_(0, slot_mapping, ki.to(key_cache.dtype))
