@@ -31,7 +31,8 @@ from glm_ray.layers.indexer import Indexer
 from glm_ray.worker.cache import allocate_caches, kv_bytes_per_token
 from glm_ray.worker.cuda_graph import DecodeGraphs
 from glm_ray.worker.faults import FaultInjector, classify
-from glm_ray.worker.sampler import SamplingRow, gather_logprobs, sample, to_device, to_logprob_dict
+from glm_ray.worker.sampler import (SamplingRow, copy_to_host, gather_logprobs, host_logprobs, logprob_tensors, sample,
+                                    to_device, to_logprob_dict)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class PendingStep:
     out: ModelRunnerOutput | None = None           # being filled: prompt logprobs, failed rows
     tokens: torch.Tensor | None = None             # [N] sampled ids of the sampling rows
     raw: torch.Tensor | None = None                # [N, V] raw logprobs
+    host: list[torch.Tensor] = field(default_factory=list)   # tokens [N] (+ logprob tensors) on the host
+    ready: torch.cuda.Event | None = None          # the host copies' completion (None on the CPU)
     req_ids: list[str] = field(default_factory=list)
     n_logprobs: list[int | None] = field(default_factory=list)
     k: int = 0
@@ -196,8 +199,10 @@ class ModelRunner:
         out = pending.out
         if pending.tokens is not None:
             try:
-                tok_list = pending.tokens.tolist()                              # the one host sync per step
-                lps = gather_logprobs(pending.raw, pending.tokens, pending.k) if pending.want else None
+                if pending.ready is not None:
+                    pending.ready.synchronize()                                 # the one host wait per step
+                tok_list = pending.host[0].tolist()
+                lps = host_logprobs(pending.host[1:]) if pending.want else None
             except Exception as e:  # noqa: BLE001 - an asynchronous failure of the step's sampling
                 out.failed.update(self._fail_step(pending.req_ids, e).failed)
             else:
@@ -275,6 +280,9 @@ class ModelRunner:
         pending.n_logprobs = [states[i].params.logprobs for i in ok]
         pending.k = max((n or 0) for n in pending.n_logprobs)
         pending.want = any(n is not None for n in pending.n_logprobs)
+        # the tokens (and logprobs) start for the host now: a later launch cannot delay reading them
+        lp = logprob_tensors(raw, tokens, pending.k) if pending.want else []
+        pending.host, pending.ready = copy_to_host([tokens, *lp])
         self._last_tokens, self._last_rows = tokens, {r: i for i, r in enumerate(pending.req_ids)}
 
     def _sample_rows(self, states: list[ReqState], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

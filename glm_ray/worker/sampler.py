@@ -113,13 +113,38 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor,
     return tokens, raw_logprobs
 
 
-def gather_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[list, list]:
-    """(logprob of each row's token, top-k (ids, logprobs) per row) as host lists."""
-    chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+def logprob_tensors(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """On the device: [logprob of each row's token [N]] + (top-k ids [N, k], top-k logprobs [N, k]) if k."""
+    chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]                  # [N]
     if k > 0:
         top = raw_logprobs.topk(k, dim=-1)
-        return chosen.tolist(), list(zip(top.indices.tolist(), top.values.tolist()))
-    return chosen.tolist(), [([], [])] * tokens.shape[0]
+        return [chosen, top.indices, top.values]
+    return [chosen]
+
+
+def host_logprobs(tensors: list[torch.Tensor]) -> tuple[list, list]:
+    """`logprob_tensors`' result (already on the host) as (chosen, [(top ids, top logprobs)] per row)."""
+    chosen = tensors[0].tolist()
+    if len(tensors) == 3:
+        return chosen, list(zip(tensors[1].tolist(), tensors[2].tolist()))
+    return chosen, [([], [])] * len(chosen)
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[list, list]:
+    """(logprob of each row's token, top-k (ids, logprobs) per row) as host lists."""
+    return host_logprobs(logprob_tensors(raw_logprobs, tokens, k))
+
+
+def copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Start device->host copies of `tensors` now, on the current stream, into pinned memory; the event
+    marks their completion (None on the CPU: the tensors are already there). Enqueued right after the
+    step's sampling, so reading them never waits for work launched later (the next step's forward)."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return tensors, None
+    host = [t.to("cpu", non_blocking=True) for t in tensors]                # pinned destinations
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def to_logprob_dict(token: int, lp: float, top_ids: list[int], top_lps: list[float], k: int) -> dict[int, float]:

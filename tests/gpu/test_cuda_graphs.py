@@ -79,16 +79,24 @@ def test_decode_forward_has_no_host_sync(oracle_dir):
 
 
 def test_graph_decode_step_waits_on_the_gpu_once(oracle_dir):
-    """A replayed decode step synchronizes the host once: the sampled tokens' `.tolist()` (no pageable
-    copies of row indices or sampling parameters, which would wait for the replay mid-step)."""
+    """A replayed decode step waits for the GPU once: on the event after the sampled tokens' copy to
+    pinned memory (no synchronizing call that sync-debug mode sees — pageable copies of row indices or
+    sampling parameters, or a `.tolist()` of device tensors, would wait for the replay mid-step)."""
     import warnings
     llm = LLM(oracle_dir, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=256 << 20, max_num_seqs=8,
               max_model_len=1024)
     runner = llm.engine.executor.worker.runner
-    syncs, orig = [], runner.execute
+    syncs, waits, orig = [], [], runner.execute
+    event_sync = torch.cuda.Event.synchronize
+    n_waits = [0]
+
+    def counting_wait(ev):
+        n_waits[0] += 1
+        return event_sync(ev)
 
     def counted(step):
         graph = bool(step.seqs) and runner._graph_step(step.seqs)
+        n_waits[0] = 0
         torch.cuda.set_sync_debug_mode("warn")
         try:
             with warnings.catch_warnings(record=True) as w:
@@ -98,12 +106,18 @@ def test_graph_decode_step_waits_on_the_gpu_once(oracle_dir):
             torch.cuda.set_sync_debug_mode("default")
         if graph:
             syncs.append(sum("synchronizing" in str(x.message) for x in w))
+            waits.append(n_waits[0])
         return out
     runner.execute = counted
-    sps = [SamplingParams(max_tokens=12, temperature=t, top_p=0.9, seed=i, ignore_eos=True)
-           for i, t in enumerate((0.0, 0.7, 1.0))]
-    llm.generate(_prompts()[:3], sps, use_tqdm=False)
-    assert len(syncs) >= 10 and max(syncs) == 1, syncs
+    torch.cuda.Event.synchronize = counting_wait
+    try:
+        sps = [SamplingParams(max_tokens=12, temperature=t, top_p=0.9, seed=i, ignore_eos=True)
+               for i, t in enumerate((0.0, 0.7, 1.0))]
+        llm.generate(_prompts()[:3], sps, use_tqdm=False)
+    finally:
+        torch.cuda.Event.synchronize = event_sync
+    assert len(syncs) >= 10 and max(syncs) == 0, syncs
+    assert set(waits) == {1}, waits
 
 
 def test_async_scheduling_equals_sync_with_graphs(oracle_dir):
