@@ -34,7 +34,7 @@ for FLAG in $FLAGS; do
   if ! curl -sf 127.0.0.1:8000/v1/models >/dev/null; then echo "server did not come up:"; tail -30 $LOG; stop_server; exit 1; fi
   grep -E "fp8_proj_gemm|orchestration|KV cache" $LOG | tail -3
   python3 -m glm_ray.bench.cli --base-url http://127.0.0.1:8000 --input-len $IN --output-len $OUT_LEN \
-      --concurrency $CONC --repetitions $REPS --label fp8_proj=$FLAG --no-plot --no-progress \
+      --range-ratio 1 --prompts-per-concurrency 4 --concurrency $CONC --repetitions $REPS --label fp8_proj=$FLAG --no-plot --no-progress \
       --result-file $OUT/${MODEL}_tp${TP}_fp8$FLAG.jsonl > $OUT/bench_fp8$FLAG.log 2>&1 &
   BENCH=$!; wait $BENCH; RC=$?; BENCH=""  # waited on in the background: a TERM runs the trap at once
   tail -12 $OUT/bench_fp8$FLAG.log

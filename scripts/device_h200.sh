@@ -24,7 +24,7 @@ for TP in $TPS; do
   curl -s 127.0.0.1:$PORT/v1/completions -H 'content-type: application/json' \
      -d '{"model":"tiny16","prompt":[11,12,13,14,15,16,17,18,19,20],"max_tokens":32,"temperature":0,"logprobs":1,"ignore_eos":true}' \
      > $OUT/greedy_tp$TP.json
-  python3 -m glm_ray.bench.cli --base-url http://127.0.0.1:$PORT --input-len 256 --output-len 64 \
+  python3 -m glm_ray.bench.cli --base-url http://127.0.0.1:$PORT --input-len 256 --output-len 64 --range-ratio 1 \
      --concurrency 1 8 --num-prompts 16 --label tp=$TP --result-file $OUT/bench_tp$TP.jsonl 2>&1 | tail -12 > $OUT/bench_tp$TP.txt
   python3 - <<PY >> $OUT/router_stats.txt 2>&1
 import ray, json

@@ -4,12 +4,17 @@ This module owns everything a person reads or a later run loads back:
 
 - `result_row` / `append_jsonl` / `load_jsonl`: one JSON object per (concurrency, repetition) run,
   holding the run's config and every `metrics.RunSummary` field (sglang-style keys such as
-  ``mean_ttft_ms``, ``p99_e2el_ms``, ``output_throughput``).
+  ``mean_ttft_ms``, ``p99_e2el_ms``, ``output_throughput``), plus the keys sglang's ``--output-file``
+  lines use for the same numbers (``duration``, ``mean_e2e_latency_ms``, ``concurrency``,
+  ``max_output_tokens_per_s``, ...), so tools reading sglang's JSONL read ours.
 - `aggregate`: mean (or median) over repetitions per concurrency, optionally dropping the single
   run furthest from the median output throughput (origin PR B dropped one outlier per point).
 - `format_table` / `format_compare`: the table shape of origin PR B (concurrency, TTFT, ITL, E2EL,
   output tok/s; the compare table adds a delta column after each), as aligned text, markdown or TSV.
-- `format_run_detail`: an sglang-style block for one run; `format_run_line`: one line per run.
+- `format_sglang_block`: sglang.bench_serving's "Serving Benchmark Result" block, row for row (labels,
+  order, ``{:<40} {:<10}`` layout), so an sglang log and ours diff line by line; `format_run_detail`:
+  that block followed by our extra rows (failures, more percentiles, per-chunk ITL, consistency
+  checks); `format_run_line`: one line per run.
 - `plot_latency` / `plot_throughput`: PNGs with matplotlib (Agg backend), one series per label.
 """
 from __future__ import annotations
@@ -52,14 +57,33 @@ def _finite(x: Any) -> Any:
     return x
 
 
+# sglang's --output-file key -> our key holding the same number (sglang.bench_serving's result dict)
+SGLANG_KEYS: dict[str, str] = {
+    "duration": "duration_s",
+    "total_input_text_tokens": "total_input_tokens",
+    "mean_e2e_latency_ms": "mean_e2el_ms",
+    "median_e2e_latency_ms": "median_e2el_ms",
+    "std_e2e_latency_ms": "std_e2el_ms",
+    "p90_e2e_latency_ms": "p90_e2el_ms",
+    "p99_e2e_latency_ms": "p99_e2el_ms",
+    "concurrency": "achieved_concurrency",
+    "max_output_tokens_per_s": "peak_output_throughput",
+    "max_concurrent_requests": "peak_concurrent_requests",
+}
+
+
 def result_row(config: dict[str, Any], summary_dict: dict[str, Any]) -> dict[str, Any]:
-    """One JSONL line: schema tag, the run's config, then the flat summary metrics.
+    """One JSONL line: schema tag, the run's config, the flat summary metrics, then sglang's names
+    (`SGLANG_KEYS`) for the numbers it also reports.
 
     An infinite request rate is written as the string "inf"; other non-finite numbers as null.
     """
     row: dict[str, Any] = {"schema": SCHEMA}
     row.update({k: _json_float(v) for k, v in config.items()})
     row.update(_finite(summary_dict))
+    for theirs, ours in SGLANG_KEYS.items():
+        if ours in row and theirs not in row:
+            row[theirs] = row[ours]
     return row
 
 
@@ -93,7 +117,7 @@ def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
 class AggRow:
     """Metrics of one concurrency level, combined over its repetitions."""
 
-    concurrency: int
+    concurrency: int | None           # None: no limit (sglang's "not set")
     input_len: int | None
     output_len: int | None
     reps: int                         # runs used
@@ -113,10 +137,12 @@ def aggregate(rows: Iterable[dict[str, Any]], how: str = "mean", drop_outlier: b
         raise ValueError(f"unknown aggregation {how!r}")
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        key = (int(r["max_concurrency"]), r.get("input_len"), r.get("output_len"))
+        c = r.get("max_concurrency")
+        key = (None if c is None else int(c), r.get("input_len"), r.get("output_len"))
         groups.setdefault(key, []).append(r)
     out = []
-    for (c, il, ol), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1:]))):
+    for (c, il, ol), runs in sorted(groups.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0,
+                                                                    str(kv[0][1:]))):
         dropped = 0
         if drop_outlier and len(runs) >= 3:
             med = statistics.median(r.get("output_throughput") or 0.0 for r in runs)
@@ -139,6 +165,11 @@ def aggregate(rows: Iterable[dict[str, Any]], how: str = "mean", drop_outlier: b
 
 # ----------------------------------------------------------------------------------------------
 # Tables
+
+def conc_str(c: int | None) -> str:
+    """A max-concurrency value as sglang prints it."""
+    return "not set" if c is None else str(c)
+
 
 def _fmt(x: float | None, decimals: int) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
@@ -172,7 +203,7 @@ def render(header: Sequence[str], body: Sequence[Sequence[str]], fmt: str = "tex
 def format_table(agg: Sequence[AggRow], fmt: str = "text") -> str:
     """PR B table: concurrency, TTFT (ms), ITL (ms), E2EL (ms), output tok/s (means)."""
     header = ["concurrency"] + [t for _, t, _ in TABLE_COLUMNS]
-    body = [[str(a.concurrency)] + [_fmt(a.values.get(k), d) for k, _, d in TABLE_COLUMNS] for a in agg]
+    body = [[conc_str(a.concurrency)] + [_fmt(a.values.get(k), d) for k, _, d in TABLE_COLUMNS] for a in agg]
     return render(header, body, fmt)
 
 
@@ -188,7 +219,7 @@ def format_compare(base: Sequence[AggRow], feat: Sequence[AggRow], fmt: str = "t
     body = []
     for b in feat:
         a = by_key.get((b.concurrency, b.input_len, b.output_len))
-        row = [str(b.concurrency)]
+        row = [conc_str(b.concurrency)]
         for k, _, d in TABLE_COLUMNS:
             row += [_fmt(b.values.get(k), d), _fmt_delta(a.values.get(k) if a else None, b.values.get(k))]
         body.append(row)
@@ -200,9 +231,11 @@ def describe_rows(rows: Sequence[dict[str, Any]]) -> str:
     r0 = rows[0]
     labels = sorted({str(r.get("label") or "") for r in rows} - {""})
     reps = max(int(r.get("repetition", 0)) for r in rows) + 1
-    return (f"{', '.join(labels) or 'unlabelled'}: model={r0.get('model')} "
-            f"input={r0.get('input_len')} output={r0.get('output_len')} "
-            f"range_ratio={r0.get('range_ratio')} rate={r0.get('request_rate')} reps={reps}")
+    dataset = r0.get("dataset_name") or "random"
+    workload = (f"input={r0.get('input_len')} output={r0.get('output_len')} range_ratio={r0.get('range_ratio')}"
+                if dataset in ("random", "random-ids") else f"dataset={dataset}")
+    return (f"{', '.join(labels) or 'unlabelled'}: model={r0.get('model')} {workload} "
+            f"rate={r0.get('request_rate')} reps={reps}")
 
 
 def table_footer(agg: Sequence[AggRow], how: str = "mean") -> str:
@@ -215,7 +248,7 @@ def table_footer(agg: Sequence[AggRow], how: str = "mean") -> str:
     failed = sum(a.failed for a in agg)
     if failed:
         notes.append(f"WARNING: {failed} failed request(s)")
-    bad = [str(a.concurrency) for a in agg if not a.consistent]
+    bad = [conc_str(a.concurrency) for a in agg if not a.consistent]
     notes.append("consistency checks: " + (f"FAILED at C={','.join(bad)}" if bad else "all pass"))
     return "; ".join(notes)
 
@@ -247,62 +280,118 @@ def format_run_line(row: dict[str, Any]) -> str:
     """One line per finished run (printed while the sweep goes on)."""
     cons = "ok" if row.get("consistent", True) else "INCONSISTENT"
     done, failed = int(row.get("completed") or 0), int(row.get("failed") or 0)
-    return (f"C={row.get('max_concurrency')!s:<3} rep {int(row.get('repetition') or 0) + 1}: "
+    return (f"C={conc_str(row.get('max_concurrency')):<3} rep {int(row.get('repetition') or 0) + 1}: "
             f"{done}/{done + failed} ok  "
             f"TTFT {_fmt(row.get('mean_ttft_ms'), 1)} ms  ITL {_fmt(row.get('mean_itl_ms'), 2)} ms  "
             f"E2EL {_fmt(row.get('mean_e2el_ms'), 0)} ms  out {_fmt(row.get('output_throughput'), 1)} tok/s  "
             f"[{cons}]")
 
 
+# sglang.bench_serving's "Serving Benchmark Result" block, in its order: (label, our row key, format),
+# ("-", title) for a section rule. Read from sglang's bench_serving.py (2025-26); its rows that we print
+# differently or not at all:
+#   - "Total input vision tokens:" is printed by sglang for its image/mmmu datasets only: none here.
+#   - "Total generated tokens (retokenized):" is sglang re-encoding the generated text with its local
+#     tokenizer; we keep no text, so the row carries the server's count (the "Total generated tokens" value).
+#   - "Accept length:" is printed only when an sglang server reports speculative-decoding acceptance.
+#   - "Traffic request rate:" prints "trace" for sglang's mooncake replay, which we do not have.
+SGLANG_BLOCK: tuple[tuple[str, str, str], ...] = (
+    ("Backend:", "backend", "s"),
+    ("Traffic request rate:", "request_rate", "s"),
+    ("Max request concurrency:", "max_concurrency", "conc"),
+    ("Successful requests:", "completed", "d"),
+    ("Benchmark duration (s):", "duration_s", "f"),
+    ("Total input tokens:", "total_input_tokens", "d"),
+    ("Total input text tokens:", "total_input_tokens", "d"),
+    ("Total generated tokens:", "total_output_tokens", "d"),
+    ("Total generated tokens (retokenized):", "total_output_tokens", "d"),
+    ("Request throughput (req/s):", "request_throughput", "f"),
+    ("Input token throughput (tok/s):", "input_throughput", "f"),
+    ("Output token throughput (tok/s):", "output_throughput", "f"),
+    ("Peak output token throughput (tok/s):", "peak_output_throughput", "f"),
+    ("Peak concurrent requests:", "peak_concurrent_requests", "d"),
+    ("Total token throughput (tok/s):", "total_throughput", "f"),
+    ("Concurrency:", "achieved_concurrency", "f"),
+    ("-", "End-to-End Latency", ""),
+    ("Mean E2E Latency (ms):", "mean_e2el_ms", "f"),
+    ("Median E2E Latency (ms):", "median_e2el_ms", "f"),
+    ("P90 E2E Latency (ms):", "p90_e2el_ms", "f"),
+    ("P99 E2E Latency (ms):", "p99_e2el_ms", "f"),
+    ("-", "Time to First Token", ""),
+    ("Mean TTFT (ms):", "mean_ttft_ms", "f"),
+    ("Median TTFT (ms):", "median_ttft_ms", "f"),
+    ("P99 TTFT (ms):", "p99_ttft_ms", "f"),
+    ("-", "Time per Output Token (excl. 1st token)", ""),
+    ("Mean TPOT (ms):", "mean_tpot_ms", "f"),
+    ("Median TPOT (ms):", "median_tpot_ms", "f"),
+    ("P99 TPOT (ms):", "p99_tpot_ms", "f"),
+    ("-", "Inter-Token Latency", ""),
+    ("Mean ITL (ms):", "mean_itl_ms", "f"),
+    ("Median ITL (ms):", "median_itl_ms", "f"),
+    ("P95 ITL (ms):", "p95_itl_ms", "f"),
+    ("P99 ITL (ms):", "p99_itl_ms", "f"),
+    ("Max ITL (ms):", "max_itl_ms", "f"),
+)
+BLOCK_WIDTH = 50
+
+
+def _kv(label: str, value: Any, fmt: str) -> str:
+    """sglang's ``"{:<40} {:<10}"`` line (``{:<10.2f}`` for floats); a missing value prints "n/a"
+    (sglang prints 0.00 for an empty sample list)."""
+    if fmt == "conc":
+        value = conc_str(value)
+    elif value is None or (isinstance(value, float) and math.isnan(value)):
+        value = "n/a"
+    elif fmt == "f":
+        return f"{label:<40} {float(value):<10.2f}"
+    elif fmt == "d":
+        value = int(value)
+    return f"{label:<40} {value!s:<10}"
+
+
+def _rule(title: str, char: str = "-") -> str:
+    return f"{title:{char}^{BLOCK_WIDTH}}"
+
+
+def format_sglang_block(row: dict[str, Any]) -> str:
+    """sglang.bench_serving's result block for one run (see `SGLANG_BLOCK`)."""
+    lines = [_rule(" Serving Benchmark Result ", "=")]
+    for label, key, fmt in SGLANG_BLOCK:
+        lines.append(_rule(key) if label == "-" else _kv(label, row.get(key), fmt))
+    lines.append("=" * BLOCK_WIDTH)
+    return "\n".join(lines)
+
+
+_EXTRA_STATS = (("e2el", "E2E Latency", ("std", "p95", "min", "max")),
+                ("ttft", "TTFT", ("std", "p90", "p95", "min", "max")),
+                ("tpot", "TPOT", ("std", "p90", "p95", "min", "max")),
+                ("itl", "ITL", ("std", "p90", "min")),
+                ("itl_chunk", "ITL per chunk", ("mean", "median", "p90", "p99", "max")))
+
+
 def format_run_detail(row: dict[str, Any]) -> str:
-    """sglang-style result block for one run, plus the consistency checks."""
-    w = 46
-
-    def kv(name: str, value: Any, d: int = 2) -> str:
-        if isinstance(value, float):
-            v = _fmt(value, d)
-        else:
-            v = "-" if value is None else str(value)
-        return f"{name + ':':<{w}}{v}"
-
-    def sep(title: str) -> str:
-        return f"{title:-^{w + 10}}"
-
-    lines = [f"{' Serving Benchmark Result ':=^{w + 10}}",
-             kv("Label", row.get("label") or "-"), kv("Model", row.get("model")),
-             kv("Traffic request rate", row.get("request_rate")),
-             kv("Max request concurrency", row.get("max_concurrency")),
-             kv("Successful requests", row.get("completed")), kv("Failed requests", row.get("failed")),
-             kv("Benchmark duration (s)", row.get("duration_s")),
-             kv("Total input tokens", row.get("total_input_tokens")),
-             kv("Total generated tokens", row.get("total_output_tokens")),
-             kv("Request throughput (req/s)", row.get("request_throughput")),
-             kv("Input token throughput (tok/s)", row.get("input_throughput")),
-             kv("Output token throughput (tok/s)", row.get("output_throughput")),
-             kv("Peak output token throughput (tok/s)", row.get("peak_output_throughput")),
-             kv("Peak concurrent requests", row.get("peak_concurrent_requests")),
-             kv("Total token throughput (tok/s)", row.get("total_throughput")),
-             kv("Concurrency (sum E2EL / duration)", row.get("achieved_concurrency")),
-             kv("Mean tokens in first chunk", row.get("mean_first_chunk_tokens"))]
-    for metric, title in (("e2el", "End-to-End Latency"), ("ttft", "Time to First Token"),
-                          ("tpot", "Time per Output Token (excl. 1st token)"),
-                          ("itl", "Inter-token Latency (per token)"),
-                          ("itl_chunk", "Inter-chunk Latency (per chunk)")):
-        lines.append(sep(title))
-        for s in ("mean", "median", "p90", "p99", "max"):
-            lines.append(kv(f"{s.capitalize() if s in ('mean', 'median', 'max') else s.upper()} "
-                            f"{metric.upper()} (ms)", row.get(f"{s}_{metric}_ms")))
-    lines.append(sep("Consistency"))
+    """`format_sglang_block`, then our rows: what was run, failures, the percentiles sglang does not
+    print, per-chunk ITL (vLLM's and sglang-oai's ITL), first-chunk tokens, the consistency checks."""
+    lines = [format_sglang_block(row), _rule(" glm-ray ")]
+    for label, key, fmt in (("Label:", "label", "s"), ("Model:", "model", "s"), ("Dataset:", "dataset_name", "s"),
+                            ("Failed requests:", "failed", "d"),
+                            ("Mean tokens in first chunk:", "mean_first_chunk_tokens", "f")):
+        lines.append(_kv(label, row.get(key) if row.get(key) != "" else "-", fmt))
+    for metric, name, stats in _EXTRA_STATS:
+        for st in stats:
+            word = st.capitalize() if st in ("mean", "median", "std", "min", "max") else st.upper()
+            lines.append(_kv(f"{word} {name} (ms):", row.get(f"{st}_{metric}_ms"), "f"))
+    lines.append(_rule("Consistency"))
     for c in row.get("consistency", []):
         if c.get("ok") is None:
             status = f"n/a ({c.get('reason')})"
         else:
             status = (f"{'ok' if c['ok'] else 'FAIL'}: observed {c['observed']:.4g} expected "
                       f"{c['expected']:.4g} (err {c['rel_err'] * 100:.2f}%, tol {c['tolerance'] * 100:.0f}%)")
-        lines.append(f"{c['name'] + ':':<{w}}{status}")
+        lines.append(f"{c['name'] + ':':<40} {status}")
     for err, n in (row.get("errors") or {}).items():
         lines.append(f"error x{n}: {err}")
-    lines.append("=" * (w + 10))
+    lines.append("=" * BLOCK_WIDTH)
     return "\n".join(lines)
 
 
@@ -329,13 +418,18 @@ def _save_figure(plt, fig, axes, path: str | Path, title: str) -> Path:
     return p
 
 
+def _x(a: AggRow) -> int:
+    """x of a point: the max concurrency; without a limit, the number of prompts (all could be in flight)."""
+    return a.concurrency if a.concurrency is not None else int(a.values.get("num_prompts") or 1)
+
+
 def plot_latency(series: dict[str, Sequence[AggRow]], path: str | Path, title: str = "") -> Path:
     """TTFT, ITL and E2EL (mean solid, p99 dashed) vs concurrency, one colour per label."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, (metric, name) in zip(axes, (("ttft", "TTFT"), ("itl", "ITL (per token)"), ("e2el", "E2EL"))):
         for i, (label, agg) in enumerate(series.items()):
-            xs = [a.concurrency for a in agg]
+            xs = [_x(a) for a in agg]
             color = f"C{i}"
             ax.plot(xs, [a.values.get(f"mean_{metric}_ms") for a in agg], "o-", color=color,
                     label=f"{label} mean")
@@ -343,7 +437,7 @@ def plot_latency(series: dict[str, Sequence[AggRow]], path: str | Path, title: s
             if any(v is not None for v in p99):
                 ax.plot(xs, p99, "s--", color=color, alpha=0.6, label=f"{label} p99")
         ax.set_xscale("log", base=2)
-        ticks = sorted({a.concurrency for agg in series.values() for a in agg})
+        ticks = sorted({_x(a) for agg in series.values() for a in agg})
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
         ax.set_xlabel("max concurrency")
@@ -359,7 +453,7 @@ def plot_throughput(series: dict[str, Sequence[AggRow]], path: str | Path, title
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, (metric, name) in zip(axes, (("itl", "mean ITL (ms)"), ("e2el", "mean E2EL (ms)"))):
         for i, (label, agg) in enumerate(series.items()):
-            pts = [(a.values.get(f"mean_{metric}_ms"), a.values.get("output_throughput"), a.concurrency)
+            pts = [(a.values.get(f"mean_{metric}_ms"), a.values.get("output_throughput"), conc_str(a.concurrency))
                    for a in agg]
             pts = [p for p in pts if p[0] is not None and p[1] is not None]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{i}", label=label)

@@ -1,30 +1,59 @@
 """The client against an in-process stand-in OpenAI server (aiohttp): SSE parsing, token counting,
-usage fallbacks, errors, the sweep driver. No Ray, no model; a few ms of fake decode per token."""
+usage fallbacks, errors, the sweep driver, the datasets as sent (ShareGPT through the server's
+/tokenize, shared prefixes), no concurrency limit, ignore_eos off, non-streamed answers, the chat API.
+No Ray, no model; a few ms of fake decode per token; the stand-in tokenizes one token per word."""
 import asyncio
+import contextlib
 import json
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 from aiohttp import web
 
+from glm_ray.bench import cli, report
 from glm_ray.bench import client as C
 from glm_ray.bench.client import BenchConfig, BenchError
+from glm_ray.bench.datasets import DatasetError
+
+
+def words(text):
+    """The stand-in's tokenizer: one token per word, id = word length (< 1000)."""
+    return [min(len(w), 999) for w in text.split()]
 
 
 def make_app(*, tokens_per_chunk=1, reject_continuous=False, send_usage=True, step_s=0.002, seen=None):
     async def models(request):
         return web.json_response({"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
 
+    async def tokenize(request):
+        body = await request.json()
+        ids = ([0] if body.get("add_special_tokens", True) else []) + words(body["prompt"])
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 4096})
+
+    async def detokenize(request):
+        body = await request.json()
+        return web.json_response({"prompt": " ".join("w" * max(t, 1) for t in body["tokens"])})
+
     async def completions(request):
         body = await request.json()
         if seen is not None:
             seen.append(body)
+        chat = "messages" in body
         so = body.get("stream_options") or {}
         if reject_continuous and "continuous_usage_stats" in so:
             return web.json_response({"detail": "extra fields not permitted"}, status=422)
-        if any(t >= 1000 for t in body["prompt"]):
+        prompt_tokens = len(words(body["messages"][0]["content"])) + 3 if chat else len(body["prompt"])
+        if not chat and any(t >= 1000 for t in body["prompt"]):
             return web.json_response({"error": {"message": "token id out of range"}}, status=400)
         n, cont = body["max_tokens"], bool(so.get("continuous_usage_stats"))
+        if not body.get("stream"):
+            await asyncio.sleep(step_s * n)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": "x" * n}} if chat
+                      else {"index": 0, "text": "x" * n})
+            return web.json_response({"choices": [dict(choice, finish_reason="length")],
+                                      "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         done = 0
@@ -32,12 +61,13 @@ def make_app(*, tokens_per_chunk=1, reject_continuous=False, send_usage=True, st
             k = min(tokens_per_chunk if done else 1, n - done)   # first token alone, then chunks of k
             await asyncio.sleep(step_s * k)
             done += k
-            chunk = {"choices": [{"index": 0, "text": "x" * k, "finish_reason": "length" if done == n else None}]}
+            choice = {"index": 0, "delta": {"content": "x" * k}} if chat else {"index": 0, "text": "x" * k}
+            chunk = {"choices": [dict(choice, finish_reason="length" if done == n else None)]}
             if cont:
-                chunk["usage"] = {"prompt_tokens": len(body["prompt"]), "completion_tokens": done}
+                chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         if send_usage and so.get("include_usage"):
-            u = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}
+            u = {"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n}}
             await resp.write(f"data: {json.dumps(u)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -60,7 +90,10 @@ def make_app(*, tokens_per_chunk=1, reject_continuous=False, send_usage=True, st
 
     app = web.Application()
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/fail500", fail500)
     app.router.add_post("/midstream", midstream_error)
     app.router.add_post("/truncated", truncated)
@@ -139,6 +172,7 @@ def test_request_body_is_what_sglang_and_vllm_send():
     assert body["prompt"] == [1, 2, 3, 4] and body["max_tokens"] == 3
     assert body["ignore_eos"] is True and body["temperature"] == 0.0 and body["stream"] is True
     assert body["stream_options"]["include_usage"] is True
+    assert set(body) == {"model", "prompt", "max_tokens", "temperature", "ignore_eos", "stream", "stream_options"}
 
 
 def test_probe_resolves_model_and_falls_back_when_continuous_usage_refused():
@@ -208,5 +242,126 @@ def test_lengths_and_prompts():
     a = C.random_prompts(np.random.default_rng([42, 4, 0]), [16], 1000)
     b = C.random_prompts(np.random.default_rng([42, 4, 0]), [16], 1000)
     assert a == b
-    with pytest.raises(BenchError):
+    with pytest.raises(DatasetError):
         C.random_prompts(rng, [3], 2, exclude=[0, 1])
+
+
+SHAREGPT = Path(__file__).parent / "data" / "sharegpt_small.json"
+
+
+def sweep(app, **kw):
+    kw.setdefault("vocab_size", 1000)
+    return run(app, lambda b: C.run_sweep_async(cfg(b, **kw)))
+
+
+def test_sharegpt_through_the_servers_tokenize():
+    """Prompts are the human turns tokenized by the server (special tokens on: what it adds to text), output
+    lengths the gpt turns' token counts (no special tokens); too-short pairs are skipped (sglang's rule)."""
+    seen = []
+    data = json.loads(SHAREGPT.read_text())
+    convs = [c.get("conversations", c.get("conversation")) for c in data]
+    usable = {turns[0]["value"]: len(words(turns[1]["value"])) for turns in convs
+              if len(turns) >= 2 and len(words(turns[1]["value"])) >= 2}     # prompts: >= 1 word + special
+    server, (res,) = sweep(make_app(seen=seen), dataset="sharegpt", dataset_path=str(SHAREGPT), num_prompts=100,
+                           concurrencies=(4,), warmup_requests=0)
+    assert server.dataset_rows == len(usable) == res.num_prompts < len(data)     # fewer than asked: no oversampling
+    bench = [b for b in seen if len(b["prompt"]) > 4]
+    assert len(bench) == len(usable)
+    by_words = {tuple(b["prompt"]): b["max_tokens"] for b in bench}
+    for text, out_len in usable.items():
+        assert by_words[tuple([0] + words(text))] == out_len
+    assert res.summary.completed == len(usable) and res.summary.total_input_tokens == sum(len(p) for p in by_words)
+
+
+def test_sharegpt_fixed_output_len_and_context_len():
+    seen = []
+    _, (res,) = sweep(make_app(seen=seen), dataset="sharegpt", dataset_path=str(SHAREGPT), num_prompts=3,
+                      concurrencies=(2,), warmup_requests=0, sharegpt_output_len=5, sharegpt_context_len=12)
+    assert res.num_prompts == 3 and {b["max_tokens"] for b in seen[1:]} == {5}
+    assert all(len(b["prompt"]) + 5 <= 12 for b in seen[1:])
+
+
+def test_sharegpt_needs_a_file():
+    with pytest.raises(BenchError, match="needs --dataset-path"):
+        C.run_sweep(BenchConfig(dataset="sharegpt", show_progress=False))
+    with pytest.raises(BenchError, match="cannot read"):
+        sweep(make_app(), dataset="sharegpt", dataset_path="/nonexistent.json", num_prompts=2)
+
+
+def test_generated_shared_prefix_requests():
+    seen = []
+    _, (res,) = sweep(make_app(seen=seen), dataset="generated-shared-prefix", gsp_num_groups=3,
+                      gsp_prompts_per_group=4, gsp_system_prompt_len=20, gsp_question_len=5, gsp_output_len=3,
+                      num_prompts=999, concurrencies=(4,), warmup_requests=0)
+    bench = [b["prompt"] for b in seen if len(b["prompt"]) == 25]
+    assert res.num_prompts == 12 and len(bench) == 12 and {b["max_tokens"] for b in seen[1:]} == {3}
+    prefixes = {tuple(p[:20]) for p in bench}
+    assert len(prefixes) == 3 and all(sum(tuple(p[:20]) == pre for p in bench) == 4 for pre in prefixes)
+
+
+def test_no_concurrency_limit_sends_everything_at_once():
+    _, (res,) = sweep(make_app(step_s=0.01), input_len=4, output_len=4, concurrencies=(None,), num_prompts=6,
+                      warmup_requests=1)
+    assert res.concurrency is None and res.summary.completed == 6
+    assert res.summary.peak_concurrent_requests == 6
+
+
+def test_disable_ignore_eos_and_stream():
+    seen = []
+    _, (res,) = sweep(make_app(seen=seen), input_len=4, output_len=5, concurrencies=(2,), num_prompts=2,
+                      ignore_eos=False, stream=False, warmup_requests=0)
+    probe, *bench = seen
+    assert all(b["ignore_eos"] is False and b["stream"] is False and "stream_options" not in b for b in seen)
+    s = res.summary
+    assert s.completed == 2 and s.total_output_tokens == 10 and s.output_len_matches_request
+    # one answer per request: TTFT = E2E latency (to the answer), no ITL (sglang's --disable-stream)
+    assert s.latency["itl"].count == 0 and s.latency["ttft"].mean == pytest.approx(s.latency["e2el"].mean, rel=0.05)
+
+
+def test_chat_backend_sends_messages():
+    """Random ids are detokenized by the server for the chat API; the input length is the server's count."""
+    seen = []
+    _, (res,) = sweep(make_app(seen=seen, tokens_per_chunk=2), api="chat", endpoint="/v1/chat/completions",
+                      input_len=6, output_len=5, concurrencies=(2,), num_prompts=2, warmup_requests=0)
+    bench = seen[1:]
+    assert all(b["messages"][0]["role"] == "user" and "prompt" not in b for b in bench)
+    assert [len(b["messages"][0]["content"].split()) for b in bench] == [6, 6]
+    s = res.summary
+    assert s.completed == 2 and s.total_output_tokens == 10 and s.token_counts_exact
+    assert s.total_input_tokens == 2 * (6 + 3)                  # the stand-in's usage.prompt_tokens
+
+
+@contextlib.contextmanager
+def served(app):
+    """The stand-in on its own event loop in a thread, for code that runs its own loop (cli.main)."""
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+
+
+def test_cli_single_run_prints_the_block_and_writes_sglang_lines(tmp_path, capsys):
+    out_file = tmp_path / "o.jsonl"
+    with served(make_app(tokens_per_chunk=2)) as base:
+        rc = cli.main(["--base-url", base, "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2",
+                       "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "12", "--gsp-question-len", "4",
+                       "--gsp-output-len", "5", "--max-concurrency", "3", "--output-file", str(out_file),
+                       "--output-details", "--disable-tqdm", "--no-plot", "--warmup-pause", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "============ Serving Benchmark Result ============" in out and "Successful requests:" in out
+    (row,) = report.load_jsonl(out_file)
+    assert row["dataset_name"] == "generated-shared-prefix" and row["gsp_num_groups"] == 2 and row["completed"] == 6
+    assert row["input_lens"] == [16] * 6 and row["output_lens"] == [5] * 6 and row["request_errors"] == [""] * 6
+    assert len(row["ttfts"]) == 6 and all(len(x) == 4 for x in row["itls"]) and row["errors"] == {}
+    assert row["duration"] == row["duration_s"] and row["max_concurrency"] == 3

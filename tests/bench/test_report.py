@@ -150,3 +150,100 @@ def test_plots_are_pngs(tmp_path, capsys):
     # --compare with --plot-prefix draws both series
     assert cli.main(["--compare", str(a), str(b), "--plot-prefix", str(tmp_path / "ab")]) == 0
     assert _is_png(tmp_path / "ab_latency.png")
+
+
+# sglang.bench_serving's "Serving Benchmark Result" block, as its benchmark() prints it (2025-26; the
+# optional rows it prints only for image datasets and speculative decoding left out)
+SGLANG_BLOCK = """\
+============ Serving Benchmark Result ============
+Backend:
+Traffic request rate:
+Max request concurrency:
+Successful requests:
+Benchmark duration (s):
+Total input tokens:
+Total input text tokens:
+Total generated tokens:
+Total generated tokens (retokenized):
+Request throughput (req/s):
+Input token throughput (tok/s):
+Output token throughput (tok/s):
+Peak output token throughput (tok/s):
+Peak concurrent requests:
+Total token throughput (tok/s):
+Concurrency:
+----------------End-to-End Latency----------------
+Mean E2E Latency (ms):
+Median E2E Latency (ms):
+P90 E2E Latency (ms):
+P99 E2E Latency (ms):
+---------------Time to First Token----------------
+Mean TTFT (ms):
+Median TTFT (ms):
+P99 TTFT (ms):
+-----Time per Output Token (excl. 1st token)------
+Mean TPOT (ms):
+Median TPOT (ms):
+P99 TPOT (ms):
+---------------Inter-Token Latency----------------
+Mean ITL (ms):
+Median ITL (ms):
+P95 ITL (ms):
+P99 ITL (ms):
+Max ITL (ms):
+==================================================""".splitlines()
+
+
+def _real_row():
+    recs = [RequestRecord(prompt_len=4, max_tokens=3, start=0.0, end=0.3 + 0.1 * i,
+                          chunk_times=[0.1, 0.2 + 0.05 * i, 0.3 + 0.1 * i], chunk_tokens=[1, 1, 1], output_len=3,
+                          tokens_from_usage=True, success=True) for i in range(4)]
+    s = summarize(recs, duration_s=0.7, t0=0.0, max_concurrency=4)
+    return report.result_row({"label": "x", "backend": "sglang-oai", "model": "m", "max_concurrency": 4,
+                              "request_rate": math.inf, "dataset_name": "random"}, s.to_dict())
+
+
+def test_result_block_has_sglangs_rows_in_sglangs_layout(tmp_path):
+    report.append_jsonl(tmp_path / "r.jsonl", _real_row())
+    row = report.load_jsonl(tmp_path / "r.jsonl")[0]
+    lines = report.format_sglang_block(row).splitlines()
+    labels = [ln if ln[:1] in "=-" else ln[:40].rstrip() for ln in lines]
+    assert labels == SGLANG_BLOCK
+    by_label = {ln[:40].rstrip(): ln for ln in lines}
+    # "{:<40} {:<10}" / "{:<40} {:<10.2f}": label padded to 40, a space, the value padded to 10
+    assert by_label["Successful requests:"] == "Successful requests:".ljust(40) + " " + "4".ljust(10)
+    assert by_label["Traffic request rate:"] == "Traffic request rate:".ljust(40) + " inf       "
+    assert by_label["Max request concurrency:"].split(None, 3)[-1].strip() == "4"
+    assert by_label["Benchmark duration (s):"].endswith(" 0.70      ")
+    assert by_label["Total input tokens:"].split()[-1] == "16" and by_label["Total generated tokens:"].split()[-1] == "12"
+    assert by_label["Mean TTFT (ms):"].split()[-1] == "100.00"
+    assert by_label["Mean E2E Latency (ms):"].split()[-1] == "450.00"       # (300 + 400 + 500 + 600) / 4
+    assert float(by_label["Concurrency:"].split()[-1]) == pytest.approx(1.8 / 0.7, abs=0.005)
+    # our rows come after sglang's closing rule
+    detail = report.format_run_detail(row).splitlines()
+    assert detail[:len(lines)] == lines and "Failed requests:" in "\n".join(detail[len(lines):])
+    assert any(ln.startswith("e2el_tpot:") for ln in detail)
+
+
+def test_result_row_carries_sglangs_output_file_keys():
+    row = _real_row()
+    assert row["duration"] == row["duration_s"] == 0.7 and row["completed"] == 4
+    assert row["mean_e2e_latency_ms"] == row["mean_e2el_ms"] and row["p99_e2e_latency_ms"] == row["p99_e2el_ms"]
+    assert row["concurrency"] == row["achieved_concurrency"]
+    assert row["max_output_tokens_per_s"] == row["peak_output_throughput"]
+    assert row["max_concurrent_requests"] == row["peak_concurrent_requests"] == 4
+    for k in ("total_input_tokens", "total_output_tokens", "request_throughput", "input_throughput",
+              "output_throughput", "total_throughput", "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms",
+              "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p95_itl_ms",
+              "p99_itl_ms", "backend", "dataset_name", "request_rate", "max_concurrency"):
+        assert k in row, k
+
+
+def test_no_concurrency_limit_prints_not_set(tmp_path):
+    r = row("unlimited", 4, 0, PR_B_OFF[4])
+    r["max_concurrency"] = None
+    agg = report.aggregate([r, row("limited", 8, 0, PR_B_OFF[8])])
+    assert [a.concurrency for a in agg] == [8, None]
+    assert report.format_table(agg).splitlines()[-1].split()[:2] == ["not", "set"]
+    assert "Max request concurrency:".ljust(40) + " not set" in report.format_sglang_block(r)
+    report.write_plots({"a": agg}, tmp_path / "p")
