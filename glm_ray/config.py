@@ -317,6 +317,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None   # explicit budget; None -> derived (below)
     gpu_memory_utilization: float = 0.90       # share of device memory for weights + KV (GPU only)
     cpu_kv_cache_bytes: int = 512 * 2**20      # default budget on CPU
+    enable_prefix_caching: bool = True         # reuse computed KV blocks across requests (engine/kv_cache.py)
 
     def __post_init__(self):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -370,14 +371,15 @@ def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str 
                        block_size: int = 16, kv_cache_memory_bytes: int | None = None,
                        gpu_memory_utilization: float = 0.9, max_waiting: int = 4096, seed: int = 0,
                        fp8_proj_gemm: bool | None = None, fp8_proj_min_tokens: int = 512,
-                       enforce_eager: bool = False, async_scheduling: bool = False) -> EngineConfig:
+                       enforce_eager: bool = False, async_scheduling: bool = False,
+                       enable_prefix_caching: bool = True) -> EngineConfig:
     if fp8_proj_gemm is None:       # the flag's third spelling: GLM_RAY_FP8_PROJ_GEMM=1
         fp8_proj_gemm = envs.FP8_PROJ_GEMM.get()
     return EngineConfig(
         model=model, dtype=dtype, device=device, load_format=load_format, kernel_backend=kernel_backend,
         mla_mode=mla_mode, seed=seed, fp8_proj_gemm=fp8_proj_gemm, fp8_proj_min_tokens=fp8_proj_min_tokens,
         enforce_eager=enforce_eager, async_scheduling=async_scheduling, cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                          gpu_memory_utilization=gpu_memory_utilization),
+                          gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, max_waiting=max_waiting),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))

@@ -106,7 +106,7 @@ class EngineCore:
         self.executor = executor
         self.model_cfg = executor.model_cfg
         self.tokenizer = tokenizer
-        self.kv = KVCacheManager(executor.num_blocks, cfg.cache.block_size)
+        self.kv = KVCacheManager(executor.num_blocks, cfg.cache.block_size, self._prefix_caching(cfg))
         limit = min(self.model_cfg.max_position_embeddings, self.kv.capacity_tokens)
         if cfg.scheduler.max_model_len is not None:
             if cfg.scheduler.max_model_len > self.kv.capacity_tokens:
@@ -130,6 +130,17 @@ class EngineCore:
         self._inflight: tuple[SchedulerOutput, object] | None = None      # launched, not collected
         logger.info("engine ready: %d KV blocks (%d tokens), max_model_len %d", self.kv.num_blocks,
                     self.kv.capacity_tokens, self.max_model_len)
+
+    def _prefix_caching(self, cfg: EngineConfig) -> bool:
+        """Prefix caching as configured, except for hybrid models: a KDA layer's recurrent state after a
+        prefix is not a function of KV blocks, and this engine keeps no per-block state snapshots."""
+        if not cfg.cache.enable_prefix_caching:
+            return False
+        if self.model_cfg.linear_attention_layers():
+            logger.info("prefix caching is off for %s: its KDA layers' recurrent state cannot be restored "
+                        "from cached KV blocks", self.model_cfg.model_type)
+            return False
+        return True
 
     # ---- requests -----------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -264,6 +275,7 @@ class EngineCore:
             req.num_computed_tokens += len(s.token_ids)        # (async: advanced when scheduled)
         elif s.sample:
             req.num_inflight -= 1
+        self.kv.register(req, s.start_pos + len(s.token_ids))  # its blocks this step filled -> prefix cache
         plp = None
         if s.prompt_logprobs and s.req_id in result.prompt_logprobs:
             if req.prompt_logprobs is None:

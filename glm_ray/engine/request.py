@@ -29,6 +29,8 @@ class Request:
     num_computed_tokens: int = 0                      # tokens whose KV is in the cache (or being computed)
     num_inflight: int = 0                             # async scheduling: sampled tokens not read back yet
     block_ids: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0                    # leading blocks in the prefix cache (-1: chain stopped)
+    num_cached_tokens: int | None = None              # prompt tokens found in the prefix cache (first admission)
     state_slot: int | None = None                     # row in the recurrent-state caches while running
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

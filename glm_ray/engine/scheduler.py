@@ -4,8 +4,9 @@ Policy (one step, under `max_num_batched_tokens`):
   1. running requests first, FCFS: decodes take 1 token, unfinished prefills their next chunk;
      when blocks run out the latest-arrived running request is preempted (blocks freed, recomputed
      later from its prompt + outputs so far);
-  2. then waiting requests, FCFS, while the budget, `max_num_seqs` and free blocks allow — a long
-     prompt is split into chunks (chunked prefill), so prefill and decode share a step.
+  2. then waiting requests, FCFS, while the budget, `max_num_seqs` and free blocks allow — a request
+     starts after the longest prefix of its tokens the prefix cache holds (engine/kv_cache.py), and a
+     long rest is split into chunks (chunked prefill), so prefill and decode share a step.
 No request is ever dropped: preempted requests go back to the head of the queue.
 Every running request also holds one of `max_num_seqs` state slots (its row in the fixed-size
 recurrent-state caches of hybrid models such as GLM-5.3-Flash's KDA layers), taken on admission and
@@ -101,10 +102,13 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_inflight:
                 break                           # preempted with a token in flight: back once it is known
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.can_allocate(req, req.num_computed_tokens + n):
+            hit = self.kv.match(req)            # its longest cached prefix (whole blocks), [] if none
+            cached = len(hit) * self.kv.block_size
+            n = min(req.num_tokens - cached, budget)
+            if not self.kv.can_admit(hit, cached + n):
                 break
             self.waiting.popleft()
+            self.kv.admit(req, hit)             # holds the hit blocks; num_computed_tokens = cached
             req.status = RequestStatus.RUNNING
             req.state_slot = self._free_slots.pop()     # running < max_num_seqs: never empty
             self.running.append(req)
