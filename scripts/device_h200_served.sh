@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# H200 pass of issue #19's measure: served ITL vs the offline decode step at the same batch.
+# glm5-flash-31b block-FP8 dummy, TP1, CUDA graphs, served by `glm-ray serve` (engine loop in rank 0's
+# actor; SCHED=async|sync) and loaded by `glm-ray bench` (random ids, input 1024, output 256, C = 1/16/64,
+# 4 x C prompts each); then `bench.offline` at batch 1/16/64 with the same lengths and scheduling.
+# Needs Ray on PYTHONPATH (../shared-free: see README "GPU machine"). One device call (<= 600 s).
+set -uo pipefail
+source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; SCHED=${SCHED:-async}; PORT=8000
+MDIR=$(python3 -c "from pathlib import Path; from glm_ray.bench.decode import model_dir_for; print(model_dir_for('glm5-flash-31b', 'fp8', Path('/tmp/models')))")
+FLAG=""; [ "$SCHED" = async ] && FLAG=--async-scheduling
+echo "== served $MDIR ($SCHED)" >> $S
+timeout ${SERVE_LIM:-420} python3 -m glm_ray.cli serve "$MDIR" --load-format dummy --device cuda --dtype bfloat16 \
+   --max-num-seqs 64 --max-model-len 4096 --kv-cache-memory-gb 24 $FLAG --port $PORT > $OUT/serve.log 2>&1 &
+SERVER=$!; t0=$(date +%s)
+for i in $(seq 1 200); do curl -sf 127.0.0.1:$PORT/v1/models >/dev/null && break; grep -q "Traceback" $OUT/serve.log && break; sleep 2; done
+echo "ready after $(( $(date +%s) - t0 )) s" >> $S
+timeout ${BENCH_LIM:-200} python3 -m glm_ray.bench.cli --base-url http://127.0.0.1:$PORT --dataset-name random \
+   --random-input-len 1024 --random-output-len 256 --random-range-ratio 1 --max-concurrency 1 16 64 \
+   --tag sched=$SCHED --output-file $OUT/served_$SCHED.jsonl > $OUT/served_$SCHED.txt 2>&1; echo "bench rc=$?" >> $S
+grep -vE "INFO|WARNING" $OUT/served_$SCHED.txt | tail -40 >> $S
+kill $SERVER 2>/dev/null; sleep 3; ray stop --force >/dev/null 2>&1; sleep 2
+echo "== offline ($SCHED)" >> $S
+timeout ${OFF_LIM:-200} python3 -m glm_ray.bench.offline "$MDIR" --load-format dummy --device cuda --dtype bfloat16 \
+   --batch 1 16 64 --input-len 1024 --output-len 256 --scheduling $SCHED --kv-cache-memory-bytes $((24 << 30)) \
+   --json $OUT/offline_$SCHED.jsonl > $OUT/offline_$SCHED.log 2>&1; echo "offline rc=$?" >> $S
+grep -vE "INFO|WARNING|shards" $OUT/offline_$SCHED.log | tail -8 >> $S
+python3 - <<PY >> $S 2>&1
+import json
+served = [json.loads(l) for l in open("$OUT/served_$SCHED.jsonl")]
+off = {r["batch"]: r for r in map(json.loads, open("$OUT/offline_$SCHED.jsonl"))}
+for r in served:
+    c, itl, med = r.get("max_concurrency"), r.get("mean_itl_ms"), r.get("median_itl_ms")
+    o = off.get(c)
+    if o and itl:
+        step = o["decode_step_ms"]
+        print(f"C={c}: served ITL mean {itl:.2f} / median {med:.2f} ms, offline decode step {step:.2f} ms, "
+              f"ratio mean {itl / step:.3f} median {med / step:.3f}")
+PY
+cat $S
