@@ -15,8 +15,15 @@ from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.eval import cli as eval_cli
 from glm_ray.model import quantize
 from glm_ray.model.tiny import bundled_config, default_tiny_model, write_tiny
+from glm_ray.serve import args as serve_args
 from glm_ray.serve import proxy_middleware
 from glm_ray.serve.args import ServeArgs
+
+SERVE_SCOPES = (serve_args.ENGINE, serve_args.APP)     # every ServeArgs field is a `serve` flag
+GENERATE_SCOPES = (serve_args.ENGINE,)                 # `generate`: the engine's
+# Ray's metrics export interval for the Ray `glm-ray serve` starts (Ray's default: 10 s, by which the
+# running/KV gauges on /metrics trail the engine): the cost is one export per Ray process per interval
+METRICS_REPORT_INTERVAL_MS = 2000
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -29,44 +36,6 @@ class _HelpFormatter(argparse.HelpFormatter):
                 and (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
             help += " (default: %(default)s)"
         return help
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="HF model directory (default: the cached tiny random GLM-5, written on first use)")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
-                   help="tensor-parallel size: GPUs (ranks) per model instance")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto = cuda when a GPU is visible (ROCm too), else cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="auto = the checkpoint's dtype on GPU, float32 on CPU")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy = random weights of the config's shapes (benchmarks without a checkpoint)")
-    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "cuda", "aiter"],
-                   help="auto = cuda on NVIDIA, aiter on ROCm (when installed), torch on CPU")
-    p.add_argument("--max-num-seqs", type=int, default=64,
-                   help="most requests running (batched) at once; more wait in the queue")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one engine step (prefill chunks + decodes)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (prompt + output) limit (default: the model's)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="share of GPU memory for weights + activations + KV cache (KV gets what is left)")
-    p.add_argument("--fp8-proj-gemm", action="store_true", default=None,
-                   help="prefill-only FP8 GEMM for MLA q_b_proj/o_proj (also GLM_RAY_FP8_PROJ_GEMM=1)")
-    p.add_argument("--engine-in-router", action="store_true",
-                   help="run the engine's step loop in the Router, with a Ray call per step to the ranks (the "
-                        "default runs it inside rank 0's worker, beside its GPU)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="run decode steps eagerly (no CUDA graphs; they are on by default on NVIDIA GPUs)")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="schedule and launch step N+1 before step N's tokens are read back (TP=1; vLLM's flag): "
-                        "the host's per-step work overlaps the GPU, outputs unchanged")
-    p.add_argument("--fp8-proj-min-tokens", type=int, default=512,
-                   help="with --fp8-proj-gemm: forward batches of more than this many tokens take the FP8 GEMM "
-                        "(H200 step A/B: FP8 pays from ~2k tokens at GLM-5 shapes; at glm5-flash-31b's the "
-                        "crossover lies between 4096 and 8192, so use 8192 there)")
 
 
 def cmd_make_tiny(a) -> int:
@@ -84,12 +53,8 @@ def cmd_make_tiny(a) -> int:
 
 def cmd_generate(a) -> int:
     from glm_ray.llm import LLM  # noqa: PLC0415 - deferred: ray (the executor)
-    llm = LLM(a.model, tensor_parallel_size=a.tp, device=a.device, dtype=a.dtype, load_format=a.load_format,
-              kernel_backend=a.kernel_backend, max_num_seqs=a.max_num_seqs,
-              max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-              block_size=a.block_size, gpu_memory_utilization=a.gpu_memory_utilization,
-              fp8_proj_gemm=a.fp8_proj_gemm, fp8_proj_min_tokens=a.fp8_proj_min_tokens,
-              enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling)
+    sa = ServeArgs.from_dict(serve_args.values_from_flags(a, GENERATE_SCOPES))
+    llm = LLM(sa.model, **sa.engine_kwargs())
     tok = llm.get_tokenizer()
     prompts = a.prompt or ["Hello, my name is"]
     if a.chat and tok is not None:
@@ -112,30 +77,9 @@ def cmd_generate(a) -> int:
 
 
 def serve_app_args(a) -> dict:
-    """The `build_app` arguments (ServeArgs) of `glm-ray serve`'s flags."""
-    args = {"model": a.model or "tiny", "tp": a.tp, "device": a.device, "dtype": a.dtype,
-            "load_format": a.load_format, "kernel_backend": a.kernel_backend, "max_num_seqs": a.max_num_seqs,
-            "max_num_batched_tokens": a.max_num_batched_tokens, "max_model_len": a.max_model_len,
-            "block_size": a.block_size, "gpu_memory_utilization": a.gpu_memory_utilization,
-            "fp8_proj_min_tokens": a.fp8_proj_min_tokens}
-    if a.fp8_proj_gemm is not None:
-        args["fp8_proj_gemm"] = True
-    if a.enforce_eager:
-        args["enforce_eager"] = True
-    if a.async_scheduling:
-        args["async_scheduling"] = True
-    if getattr(a, "engine_in_router", False):
-        args["engine_in_worker"] = False
-    if a.served_model_name:
-        args["served_model_name"] = a.served_model_name
-    if a.api_key:
-        args["api_key"] = a.api_key
-    if a.trust_request_chat_template:
-        args["trust_request_chat_template"] = True
-    for name in ("kv_cache_memory_gb", "max_queued_requests", "ingress_replicas", "router_cpus", "accelerator_type"):
-        if getattr(a, name, None) is not None:
-            args[name] = getattr(a, name)
-    return args
+    """The `build_app` arguments (ServeArgs) of `glm-ray serve`'s flags: the settings given (the rest are
+    ServeArgs' defaults, environment fallbacks included) and the model."""
+    return {"model": "tiny", **serve_args.values_from_flags(a, SERVE_SCOPES)}
 
 
 def _raise_interrupt(signum, frame):
@@ -180,7 +124,8 @@ def cmd_serve(a) -> int:
         # NOTE: a local Ray binds GCS, raylet, object manager and the metrics export to --ray-node-ip
         # (loopback by default), whatever --host the HTTP API binds to; no dashboard.
         ray.init(address="local", include_dashboard=False, _metrics_export_port=a.metrics_port,
-                 num_cpus=a.num_cpus, _node_ip_address=a.ray_node_ip)
+                 num_cpus=a.num_cpus, _node_ip_address=a.ray_node_ip,
+                 _system_config={"metrics_report_interval_ms": a.metrics_report_interval_ms})
     signal.signal(signal.SIGTERM, _raise_interrupt)     # `kill PID` stops as cleanly as Ctrl-C
     try:
         serve.start(http_options={"host": a.host, "port": a.port})
@@ -222,28 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Start a local Ray (or join one with --address) and serve the "
                                    "OpenAI-compatible app on it. Ctrl-C stops both.",
                        formatter_class=_HelpFormatter)
-    _add_engine_args(p)
+    serve_args.add_flags(p, SERVE_SCOPES)
     p.add_argument("--host", default="127.0.0.1",
                    help="address the HTTP API binds to (0.0.0.0: every interface; Ray itself stays on "
                         "--ray-node-ip)")
     p.add_argument("--port", type=int, default=8000, help="port of the HTTP API")
     p.add_argument("--metrics-port", type=int, default=8080,
                    help="Ray's Prometheus export port (our metrics are ray_glm_ray_*)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id clients send (default: the directory name; glm5-tiny for the tiny model)")
-    p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer <key>` on /v1/* (default: env GLM_RAY_API_KEY, else no key)")
-    p.add_argument("--trust-request-chat-template", action="store_true",
-                   help="accept a `chat_template` in chat requests (refused by default)")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None,
-                   help="KV-cache size per rank in GiB (default: what --gpu-memory-utilization leaves; on CPU a "
-                        "fixed default)")
-    p.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="waiting-queue bound of the engine; beyond it requests get 503 + Retry-After")
-    p.add_argument("--ingress-replicas", type=int, default=1, help="replicas of the HTTP ingress deployment")
-    p.add_argument("--router-cpus", type=float, default=0.5, help="CPUs reserved for each Router replica")
-    p.add_argument("--accelerator-type", default=None,
-                   help="Ray accelerator type the GPU bundles are pinned to, e.g. H200 or AMD-Instinct-MI355X-OAM")
+    p.add_argument("--metrics-report-interval-ms", type=int, default=METRICS_REPORT_INTERVAL_MS,
+                   help="how often every Ray process exports its metrics to the export port (Ray's "
+                        "metrics_report_interval_ms; Ray's own default is 10000): a gauge change shows on "
+                        "/metrics within about this long. A setting of the Ray cluster: with --address, the "
+                        "cluster's own (RAY_metrics_report_interval_ms at its `ray start`) applies")
     p.add_argument("--ray-node-ip", default="127.0.0.1",
                    help="IP the local Ray's GCS, raylet, object manager and metrics export bind to "
                         "(a reachable IP only when other nodes must join)")
@@ -255,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="offline generation with the LLM API (no server)",
                        formatter_class=_HelpFormatter)
-    _add_engine_args(p)
+    serve_args.add_flags(p, GENERATE_SCOPES)
     p.add_argument("--prompt", action="append", help="a prompt; repeatable (default: 'Hello, my name is')")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")

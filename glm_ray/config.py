@@ -348,8 +348,9 @@ class EngineConfig:
     fp8_proj_gemm: bool = False                # issue 5: prefill-only FP8 q_b/o_proj GEMM
     fp8_proj_min_tokens: int = 512
     enforce_eager: bool = False                # True: no CUDA graphs for decode steps (vLLM's --enforce-eager)
-    # schedule and launch step N+1 before reading step N's tokens back (vLLM's --async-scheduling); TP=1
-    async_scheduling: bool = False
+    # schedule and launch step N+1 before reading step N's tokens back (vLLM's --async-scheduling); TP=1.
+    # None = on where it pays: an in-process executor on a GPU (on the CPU the "device" is the host)
+    async_scheduling: bool | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -371,7 +372,7 @@ def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str 
                        block_size: int = 16, kv_cache_memory_bytes: int | None = None,
                        gpu_memory_utilization: float = 0.9, max_waiting: int = 4096, seed: int = 0,
                        fp8_proj_gemm: bool | None = None, fp8_proj_min_tokens: int = 512,
-                       enforce_eager: bool = False, async_scheduling: bool = False,
+                       enforce_eager: bool = False, async_scheduling: bool | None = None,
                        enable_prefix_caching: bool = True) -> EngineConfig:
     if fp8_proj_gemm is None:       # the flag's third spelling: GLM_RAY_FP8_PROJ_GEMM=1
         fp8_proj_gemm = envs.FP8_PROJ_GEMM.get()

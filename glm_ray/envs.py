@@ -125,13 +125,24 @@ STEP_TIMEOUT_S: EnvVar[float] = EnvVar(
 FAULT_INJECTION: EnvVar[str] = EnvVar(
     "GLM_RAY_FAULT_INJECTION", str, "", "reliability tests only: `KIND@TOKEN_ID,...` (KIND: exception, "
     "oom or sample) makes steps holding TOKEN_ID fail (worker/faults.py)", "spec")
+TEST_FORCED_OUTPUT: EnvVar[bool] = EnvVar(
+    "GLM_RAY_TEST_FORCED_OUTPUT", _bool, False, "tests only: the OpenAI endpoints honor a request's "
+    "`forced_token_ids` (the sampler emits those tokens first; how served tests get a known output from a "
+    "random model). Set where the server runs; ignored in requests otherwise", "bool")
+GRAMMAR_THREADS: EnvVar[int | None] = EnvVar(
+    "GLM_RAY_GRAMMAR_THREADS", _positive_int, None, "structured outputs: threads that fill a step's token "
+    "bitmasks and compile grammars on the sampling rank (default: half the cores, at most 8)", "int")
+GRAMMAR_CACHE_MB: EnvVar[int] = EnvVar(
+    "GLM_RAY_GRAMMAR_CACHE_MB", _positive_int, 256, "structured outputs: memory for compiled grammars kept "
+    "for reuse (least recently used evicted)", "int")
 LOG_LEVEL: EnvVar[str] = EnvVar(
     "GLM_RAY_LOG_LEVEL", _choice("DEBUG", "INFO", "WARNING", "ERROR"), "INFO", "log level of the `glm-ray` "
     "command")
 
 ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_THREADS, ORCHESTRATION,
                            TIME_COLLECTIVES, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
-                           CUDA_MOE_DECODE_PAIRS, CUDA_INDEXER_TOPK, STEP_TIMEOUT_S, FAULT_INJECTION, LOG_LEVEL)
+                           CUDA_MOE_DECODE_PAIRS, CUDA_INDEXER_TOPK, STEP_TIMEOUT_S, FAULT_INJECTION,
+                           TEST_FORCED_OUTPUT, GRAMMAR_THREADS, GRAMMAR_CACHE_MB, LOG_LEVEL)
 
 
 # Not forwarded to the rank actors: they do not use it, and Ray records an actor's runtime_env in its logs.

@@ -80,17 +80,21 @@ def test_config(http_port: int, extra_apps: list[dict]) -> dict:
 
 
 def start(tmp: Path, extra_apps: list[dict], timeout: float = 600) -> Cluster:
+    # GLM_RAY_TEST_FORCED_OUTPUT: every replica of this test cluster honors a request's `forced_token_ids`
+    # (a known output from the random model: tests/serve/test_agent_api.py); the apps' configs stay as shipped
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0",
-               RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH="glm_ray.serve.proxy_middleware:proxy_middlewares")
+               RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH="glm_ray.serve.proxy_middleware:proxy_middlewares",
+               GLM_RAY_TEST_FORCED_OUTPUT="1")
     gcs_port, dash_port, metrics_port, http_port = free_port(), free_port(), free_port(), free_port()
     # NOTE: every port explicit (none of Ray's defaults), so this cluster can run beside another one
     other = {flag: free_port() for flag in ("ray-client-server-port", "dashboard-agent-listen-port",
                                             "dashboard-agent-grpc-port", "runtime-env-agent-port",
                                             "node-manager-port", "object-manager-port")}
     subprocess.run([_bin("ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-                    # logical CPUs: every test app's placement group (~16) plus room for a rolling
-                    # update's new replica beside the draining old one
-                    "--num-cpus=24", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                    # logical CPUs: every test app's placement group (~20: 1.5 per TP=1 Router replica,
+                    # 2.5 per TP=2 one, 0.1 per ingress) plus room for a rolling update's new replica
+                    # beside the draining old one
+                    "--num-cpus=28", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                     f"--dashboard-port={dash_port}", f"--metrics-export-port={metrics_port}",
                     "--object-store-memory=300000000", "--disable-usage-stats",
                     *(f"--{k}={v}" for k, v in other.items())],

@@ -81,6 +81,15 @@ EXTRA_APPS = [
     {"name": "secure", "route_prefix": "/secure", "args": {"api_key": SECURE_API_KEY, "trust_request_chat_template": True,
                                                            "max_num_seqs": 4, "kv_cache_memory_gb": 0.05,
                                                            "served_model_name": "glm5-tiny-secure"}},
+    # no traffic until tests/deploy/test_first_scrape.py: its metric series must exist at 0 from the start
+    # (the KV size in vLLM's spelling, as a serve config may give it, instead of the base config's GiB)
+    {"name": "firstscrape", "route_prefix": "/firstscrape",
+     "args": {"max_num_seqs": 2, "kv_cache_memory_gb": None, "kv_cache_memory_bytes": "16Mi",
+              "served_model_name": "glm5-tiny-firstscrape"}},
+    # two Router replicas behind the prefix-affinity request router (tests/serve/test_affinity_served.py)
+    {"name": "affinity", "route_prefix": "/affinity",
+     "args": {"router_replicas": 2, "request_router": "prefix_affinity", "max_num_seqs": 4,
+              "kv_cache_memory_gb": 0.05, "served_model_name": "glm5-tiny-affinity"}},
 ]
 
 

@@ -3,7 +3,8 @@ layer or a lower one, and function-level imports of glm_ray are the few deferred
 
 The order is written once, here (the README's architecture section draws it):
 serve -> llm (offline API) -> engine -> worker -> model -> layers -> quant -> kernels -> distributed,
-with the engine's wire contracts (the messages to the workers, SamplingParams, TokenDelta, errors) and
+with the engine's wire contracts (the messages to the workers, SamplingParams, TokenDelta, errors; the
+grammar runtime and the tokenizer loader, which the engine's validation and rank 0's sampler share) and
 the plain bottom modules (configs, ForwardBatch, layer contracts, weight helpers, envs) below all of them.
 Static: the source is parsed (AST), nothing is imported.
 """
@@ -26,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [            # top to bottom
     ("glm_ray.kernels",),
     ("glm_ray.distributed",),
     ("glm_ray.engine.contract", "glm_ray.engine.sampling_params", "glm_ray.engine.outputs",
-     "glm_ray.engine.errors"),
+     "glm_ray.engine.errors", "glm_ray.engine.structured", "glm_ray.engine.tokenizer"),
     ("glm_ray.config", "glm_ray.forward_batch", "glm_ray.layer_contracts", "glm_ray.weights", "glm_ray.envs"),
 ]
 

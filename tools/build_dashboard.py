@@ -318,6 +318,18 @@ def build_panels() -> list[dict]:
         "Decode batch size",
         "Requests per decode step: p50/p90/p99.",
         P + "decode_batch_size", "short"), 8, 8)
+    hits, queries = rate(P + "prefix_cache_hits_total"), rate(P + "prefix_cache_queries_total")
+    lay.add(timeseries(
+        "Prefix cache hit rate",
+        "Share of prompt tokens found in the prefix cache (not computed): hits / queries per model.",
+        targets((f"sum by (model) ({hits}) / sum by (model) ({queries})", "{{model}}")),
+        "percentunit", max_=1), 12, 8)
+    lay.add(timeseries(
+        "Prefix cache tokens / s",
+        "Prompt tokens looked up in the prefix cache (queries) and found there (hits), per model.",
+        targets((f"sum by (model) ({queries})", "queries {{model}}"),
+                (f"sum by (model) ({hits})", "hits {{model}}")),
+        "short"), 12, 8)
 
     lay.row("Ray Serve")
     lay.add(timeseries(

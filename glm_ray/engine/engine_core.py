@@ -27,6 +27,7 @@ from glm_ray.engine.outputs import TokenDelta
 from glm_ray.engine.request import Request
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.scheduler import Scheduler
+from glm_ray.engine.structured import check as check_structured_output
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     context length; return its resolved max_tokens (what a Router validates before any engine call)."""
     try:
         params.validate()            # again: a SamplingParams that crossed a process was unpickled, not built
+        if params.structured_outputs is not None:
+            check_structured_output(params.structured_outputs)     # the grammar compiles (cached)
     except ValueError as e:
         raise InvalidRequestError(str(e), param=getattr(e, "param", None)) from None
     if not prompt_token_ids:
@@ -122,9 +125,14 @@ class EngineCore:
         self.step_history: deque[StepStats] = deque(maxlen=2048)
         self.eos = set(self.model_cfg.eos_token_ids)
         # async scheduling: step N+1 is scheduled and launched before step N's tokens are read back
-        self.async_scheduling = cfg.async_scheduling and hasattr(executor, "launch")
-        if cfg.async_scheduling and not self.async_scheduling:
-            logger.warning("async scheduling needs an in-process executor (TP=1); steps run synchronously")
+        can_launch = hasattr(executor, "launch")
+        if cfg.async_scheduling is None:          # auto: on for an in-process executor on a GPU
+            worker = getattr(executor, "worker", None)
+            self.async_scheduling = can_launch and getattr(getattr(worker, "device", None), "type", "cpu") != "cpu"
+        else:
+            self.async_scheduling = cfg.async_scheduling and can_launch
+            if cfg.async_scheduling and not can_launch:
+                logger.warning("async scheduling needs an in-process executor (TP=1); steps run synchronously")
         self.scheduler.async_mode = self.async_scheduling
         self.scheduler.max_model_len = self.max_model_len
         self._inflight: tuple[SchedulerOutput, object] | None = None      # launched, not collected
@@ -300,6 +308,7 @@ class EngineCore:
             request_id=req.request_id, new_token_ids=[tok], new_text=detok.take(finish is not None),
             new_logprobs=[lp] if lp is not None else None, finished=finish is not None,
             finish_reason=finish, stop_reason=stop_reason, num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens or 0,
             prompt_logprobs=plp if len(req.output_token_ids) == 1 else None,
             arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time)
         if finish:

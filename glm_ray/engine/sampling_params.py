@@ -11,6 +11,7 @@ Validation raises `ValueError` with a message fit for an HTTP 400 and `.param` n
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 
@@ -85,6 +86,65 @@ def invalid(param: str, msg: str) -> ValueError:
     return err
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match, enforced while sampling (engine/structured.py): exactly one
+    of the fields. vLLM's names: `json` (a JSON Schema, as a dict or JSON text), `json_object` (any
+    JSON object), `regex`, `choice` (one of these strings), `grammar` (EBNF, xgrammar's dialect of
+    GBNF), `structural_tag` (an xgrammar structural tag as JSON text; the GLM tool-call grammar of
+    `serve.tool_grammar`). `reasoning_end`: the output opens inside a reasoning block that this marker
+    closes (GLM with thinking on: "</think>"); the format then applies after it, and before it any text
+    without the marker. Only the shape is checked here; whether the value compiles is `structured.check`
+    (the engine's request validation)."""
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    reasoning_end: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):      # JSON text: hashable, and the cache key of its compiled grammar
+            object.__setattr__(self, "json", json.dumps(self.json, ensure_ascii=False))
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """The field that is set (`validate` checks that exactly one is)."""
+        return next((k for k in ("json", "regex", "choice", "grammar", "structural_tag")
+                     if getattr(self, k) is not None), "json_object")
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """(kind, its value as text, reasoning_end or ""): what a compiled grammar is cached under."""
+        v = getattr(self, self.kind)
+        return self.kind, (json.dumps(list(v), ensure_ascii=False) if self.kind == "choice"
+                           else "" if self.kind == "json_object" else v), self.reasoning_end or ""
+
+    def validate(self) -> None:
+        p = "structured_outputs"
+        set_ = [k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None]
+        set_ += ["json_object"] if self.json_object is True else []
+        if self.json_object not in (True, False):
+            raise invalid(p, "structured_outputs.json_object must be a boolean")
+        if len(set_) != 1:
+            raise invalid(p, f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar, "
+                             f"structural_tag; got {set_ or 'none'}")
+        kind = set_[0]
+        if kind == "choice":
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise invalid(p, "structured_outputs.choice must be a non-empty list of non-empty strings")
+        elif kind != "json_object" and (not isinstance(getattr(self, kind), str) or not getattr(self, kind)):
+            raise invalid(p, f"structured_outputs.{kind} must be a non-empty string")
+        if kind != "json_object" and not all(map(is_valid_unicode, self.choice or (getattr(self, kind),))):
+            raise invalid(p, f"structured_outputs.{kind} must be valid Unicode (no lone surrogates)")
+        if self.reasoning_end is not None and (not isinstance(self.reasoning_end, str) or not self.reasoning_end
+                                               or not is_valid_unicode(self.reasoning_end)):
+            raise invalid(p, "structured_outputs.reasoning_end must be a non-empty string")
+
+
 def choice_seed(seed: int | None, i: int) -> int | None:
     """The seed of choice `i` of a request with `seed` (seed + i, wrapped into the int64 range)."""
     if seed is None:
@@ -112,12 +172,17 @@ class SamplingParams:
     logprobs: int | None = None                 # top-k logprobs per generated token (0 = only the sampled)
     prompt_logprobs: int | None = None          # top-k logprobs per prompt token
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None   # the output must match this grammar
+    # Tests only: emit these token ids, in order, instead of sampling (then sample as usual). The OpenAI
+    # layer sets it only when the server runs with GLM_RAY_TEST_FORCED_OUTPUT=1 (a client cannot).
+    forced_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.forced_token_ids = list(self.forced_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
         self.validate()
@@ -146,6 +211,18 @@ class SamplingParams:
                 raise invalid("stop", "stop strings must be non-empty strings")
             if not is_valid_unicode(s):
                 raise invalid("stop", "stop strings must be valid Unicode (no lone surrogates)")
+        for t in self.forced_token_ids:
+            problem = BOUNDS["stop_token_id"].check(t)
+            if problem:
+                raise invalid("forced_token_ids", f"forced_token_ids entries {problem}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise invalid("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
+            if self.min_tokens:
+                # the grammar decides where the output may end: EOS is allowed exactly when it is complete
+                raise invalid("min_tokens", "min_tokens cannot be combined with structured outputs (the grammar "
+                                            "decides where the output ends)")
 
     @property
     def greedy(self) -> bool:

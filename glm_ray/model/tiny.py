@@ -5,8 +5,10 @@ What gets written (all of it loadable by transformers' `GlmMoeDsaForCausalLM` to
                                 IndexShare "FFSF", grouped routing n_group 2, 1 MTP layer)
   model-0000N-of-0000M.safetensors + model.safetensors.index.json   per-expert tensor names, bf16
                                 weights, fp32 e_score_correction_bias, MTP layer under model.layers.L
-  tokenizer.json / tokenizer_config.json   a byte-level BPE trained in-process, GLM special tokens
-                                and a GLM-style chat template
+  tokenizer.json / tokenizer_config.json   a byte-level BPE trained in-process, GLM's special tokens,
+                                its thinking / tool-call markup as single (non-special) tokens, and a
+                                chat template rendering GLM-5's format (CHAT_TEMPLATE: tools, tool
+                                calls and results, thinking, enable_thinking)
 Norm weights, the indexer k_norm and the router bias are perturbed so those code paths matter.
 A GLM-5.3-Flash text config (`--config glm53-flash-tiny-text.json`) is written as the nested glm5_next
 config.json of a real checkpoint (`text_config`), with its tensors under `model.language_model.*`
@@ -40,23 +42,87 @@ from glm_ray.quant import Unquantized
 
 logger = logging.getLogger(__name__)
 
+# Control tokens (special: skipped when decoding with skip_special_tokens) and the markup tokens of
+# thinking and tool calls, added but *not* special (the real GLM tokenizers mark them so: `<think>` and
+# `<tool_call>` survive skip_special_tokens, so the reasoning / tool-call parsers see them). Ids in this
+# order from 0: ids 0-8 are those of the first tiny tokenizer.
 SPECIAL_TOKENS = ["[gMASK]", "<|endoftext|>", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
-                  "<|observation|>", "<think>", "</think>"]
+                  "<|observation|>"]
+MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                 "</arg_value>", "<tool_response>", "</tool_response>"]
 EOS_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]      # ids 1, 4, 6 (GLM's stop set)
 
+# The GLM-5 chat format (GLM-4.7's template family; our own template written to render exactly what the
+# released one does; a real checkpoint's template is always used as shipped):
+#   [gMASK]<sop>                                        then, when `tools` are given, one system turn:
+#   <|system|>\n# Tools\n\n...<tools>\n{tool JSON}\n...</tools>\n\n...format...</tool_call>
+#   <|system|>S  <|user|>U                              no newline after a role token
+#   <|assistant|></think>C                              a past turn: reasoning dropped ...
+#   <|assistant|><think>R</think>C                      ... unless after the last user turn (or clear_thinking=false)
+#   <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>   per call; V raw if a string,
+#                                                                                else JSON
+#   <|observation|><tool_response>T</tool_response>...  consecutive tool results share one <|observation|>
+#   <|assistant|><think>   generation prompt (thinking on, the default; the output starts inside the
+#   <|assistant|></think>  thinking block) / with chat_template_kwargs {"enable_thinking": false}
+_TOOLS_HEADER = (r"<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                 r"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
+_TOOLS_FOOTER = (r"</tools>\n\nFor each function call, output the function name and arguments within the "
+                 r"following XML format:\n<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>"
+                 r"{arg-value-1}</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>"
+                 r"...</tool_call>")
 CHAT_TEMPLATE = (
     "[gMASK]<sop>"
+    "{%- macro visible(c) -%}"
+    "{%- if c is string -%}{{- c -}}"
+    "{%- elif c is iterable and c is not mapping -%}"
+    "{%- for p in c -%}{%- if p is mapping and p.type == 'text' -%}{{- p.text -}}"
+    "{%- elif p is string -%}{{- p -}}{%- endif -%}{%- endfor -%}"
+    "{%- elif c is not none -%}{{- c -}}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{- '" + _TOOLS_HEADER + "' -}}"
+    "{%- for tool in tools -%}{{- tool | tojson(ensure_ascii=False) -}}{{- '\\n' -}}{%- endfor -%}"
+    "{{- '" + _TOOLS_FOOTER + "' -}}"
+    "{%- endif -%}"
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
     "{%- for m in messages -%}"
-    "{%- if m['role'] == 'system' -%}<|system|>\n{{ m['content'] }}"
-    "{%- elif m['role'] == 'user' -%}<|user|>\n{{ m['content'] }}"
-    "{%- elif m['role'] == 'assistant' -%}<|assistant|>\n{{ m['content'] }}"
-    "{%- elif m['role'] == 'tool' -%}<|observation|>\n{{ m['content'] }}"
+    "{%- if m.role == 'system' or m.role == 'developer' -%}{{- '<|system|>' + visible(m.content) -}}"
+    "{%- elif m.role == 'user' -%}{{- '<|user|>' + visible(m.content) -}}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{%- set content = visible(m.content) -%}"
+    "{%- set reasoning = '' -%}"
+    "{%- if m.reasoning_content is string -%}{%- set reasoning = m.reasoning_content -%}"
+    "{%- elif '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}"
+    "{%- set content = content.split('</think>')[-1] -%}"
+    "{%- endif -%}"
+    "{{- '<|assistant|>' -}}"
+    "{%- if reasoning.strip() and (loop.index0 > ns.last_user or (clear_thinking is defined and not clear_thinking)) -%}"
+    "{{- '<think>' + reasoning.strip() + '</think>' -}}"
+    "{%- else -%}{{- '</think>' -}}{%- endif -%}"
+    "{{- content.strip() -}}"
+    "{%- for tc in m.tool_calls or [] -%}"
+    "{%- set f = tc.function if tc.function is defined else tc -%}"
+    "{{- '<tool_call>' + f.name -}}"
+    "{%- for k, v in (f.arguments or {}).items() -%}"
+    "{{- '<arg_key>' + k + '</arg_key><arg_value>' -}}"
+    "{{- v if v is string else v | tojson(ensure_ascii=False) -}}"
+    "{{- '</arg_value>' -}}"
+    "{%- endfor -%}"
+    "{{- '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- elif m.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|observation|>' -}}{%- endif -%}"
+    "{{- '<tool_response>' + visible(m.content) + '</tool_response>' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|assistant|>\n{%- endif -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|assistant|>' + ('</think>' if (enable_thinking is defined and not enable_thinking) else '<think>') -}}"
+    "{%- endif -%}"
 )
-
-
 def bundled_config(name: str = "glm5-tiny.json") -> dict:
     return json.loads(resources.files("glm_ray.configs").joinpath(name).read_text())
 
@@ -79,9 +145,14 @@ def build_tokenizer(vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + MARKUP_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(), trainer)
+    spec = json.loads(tok.to_str())        # the trainer adds every reserved token as special: unmark the markup
+    for added in spec["added_tokens"]:
+        if added["content"] in MARKUP_TOKENS:
+            added["special"] = False
+    tok = Tokenizer.from_str(json.dumps(spec))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=[t for t in SPECIAL_TOKENS if t != "<|endoftext|>"])
     fast.chat_template = CHAT_TEMPLATE
@@ -102,7 +173,7 @@ def write_tiny(out_dir: str | os.PathLike, config: dict | None = None, seed: int
         # write ("indexed_attention"), and real GLM-5 config.json files do not carry it.
         hf.pop("layer_types", None)
     tokenizer = build_tokenizer(text["vocab_size"])
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + MARKUP_TOKENS}
     text.update(eos_token_id=[ids[t] for t in EOS_TOKENS], bos_token_id=ids["[gMASK]"],
                 pad_token_id=ids["<|endoftext|>"], dtype=str(dtype).removeprefix("torch."))
     if flash:
@@ -173,9 +244,16 @@ def cache_dir() -> Path:
     return envs.CACHE.get()
 
 
+def tiny_cache_key() -> str:
+    """Part of the cached tiny checkpoint's directory name: a change of the tokens, the chat template or the
+    bundled config writes a new cache instead of reusing one in the old format."""
+    spec = [SPECIAL_TOKENS, MARKUP_TOKENS, CHAT_TEMPLATE, bundled_config()]
+    return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
+
+
 def default_tiny_model() -> str:
     """Path of the cached tiny model, written on first use (safe against concurrent callers)."""
-    path = cache_dir() / "tiny-glm5"
+    path = cache_dir() / f"tiny-glm5-{tiny_cache_key()}"
     if (path / "config.json").is_file():
         return str(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,4 +21,5 @@ def build_app(args: dict | None = None) -> Application:
     ingress = ingress_deployment(num_replicas=a.ingress_replicas, ray_actor_options={"num_cpus": 0.1},
                                  graceful_shutdown_timeout_s=600)
     return ingress.bind(router, model, a.model_name(), api_key=a.api_key,
-                        trust_request_chat_template=a.trust_request_chat_template)
+                        trust_request_chat_template=a.trust_request_chat_template,
+                        tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser)

@@ -22,7 +22,7 @@ from glm_ray.engine.engine_core import EngineCore, validate_request
 from glm_ray.engine.errors import EngineOverloadedError, StepTimeoutError
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.tokenizer import load_tokenizer
-from glm_ray.serve.engine_host import Admission, EngineHostActor, StepBatch, engine_stats, step_batch
+from glm_ray.serve.engine_host import Admission, EngineHostActor, StepBatch, engine_gauges, engine_stats, step_batch
 from glm_ray.worker.worker_group import RayWorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -74,10 +74,18 @@ class LocalEngine:
 
     async def run(self, publish: Callable[[StepBatch], None]) -> None:
         loop = asyncio.get_running_loop()
+        shown = None                                   # the gauges of the last StepBatch published
+
+        def send(batch: StepBatch) -> None:
+            nonlocal shown
+            shown = batch.gauges
+            publish(batch)
+
         while True:
             rejected = self.admission.apply(self.engine)
-            if rejected:
-                publish(step_batch(self.engine, [], rejected))
+            # at once when the idle engine's gauges moved (e.g. the aborts of disconnected clients)
+            if rejected or (not self.engine.has_unfinished() and engine_gauges(self.engine) != shown):
+                send(step_batch(self.engine, [], rejected))
             if not self.engine.has_unfinished():
                 self._wakeup.clear()
                 if self.admission.pending():
@@ -85,11 +93,11 @@ class LocalEngine:
                 try:   # idle: wake up now and then so gauges are refreshed (Ray drops stale gauges)
                     await asyncio.wait_for(self._wakeup.wait(), timeout=4.0)
                 except asyncio.TimeoutError:
-                    publish(step_batch(self.engine, [], {}))
+                    send(step_batch(self.engine, [], {}))
                 continue
             deltas = await within_step_timeout(loop.run_in_executor(self._thread, self.engine.step))   # raises: dead
             self._last_ok = time.monotonic()
-            publish(step_batch(self.engine, deltas, {}))
+            send(step_batch(self.engine, deltas, {}))
 
     async def health(self) -> None:
         if not self.engine.has_unfinished() and not self.admission.pending() and time.monotonic() - self._last_ok > 5:

@@ -44,6 +44,17 @@ class StepBatch:
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
     num_preempted: int = 0
+    prefix_queries: int = 0            # cumulative prompt tokens looked up in / found in the prefix cache
+    prefix_hits: int = 0
+
+    @property
+    def gauges(self) -> tuple[int, int, float]:
+        return self.running, self.waiting, self.kv_usage
+
+
+def engine_gauges(engine: EngineCore) -> tuple[int, int, float]:
+    """What a StepBatch of `engine` now would carry as its gauges (running, waiting, KV usage)."""
+    return len(engine.scheduler.running), len(engine.scheduler.waiting), engine.kv.usage()
 
 
 def step_batch(engine: EngineCore, deltas: list[TokenDelta], rejected: dict[str, BaseException]) -> StepBatch:
@@ -52,7 +63,8 @@ def step_batch(engine: EngineCore, deltas: list[TokenDelta], rejected: dict[str,
     return StepBatch(deltas=deltas, rejected=rejected, running=len(engine.scheduler.running),
                      waiting=len(engine.scheduler.waiting), kv_usage=engine.kv.usage(),
                      num_prefill_tokens=s.num_prefill_tokens, num_decode_seqs=s.num_decode_seqs,
-                     num_preempted=s.num_preempted)
+                     num_preempted=s.num_preempted, prefix_queries=engine.kv.prefix_queries,
+                     prefix_hits=engine.kv.prefix_hits)
 
 
 def engine_stats(engine: EngineCore, orchestration: str) -> dict:
@@ -60,6 +72,8 @@ def engine_stats(engine: EngineCore, orchestration: str) -> dict:
     e, s = engine, engine.last_stats
     return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting), "kv_usage": e.kv.usage(),
             "num_preemptions": e.num_preemptions, "kv_capacity_tokens": e.kv.capacity_tokens,
+            "prefix_cache": {"enabled": e.kv.enable_prefix_caching, "queries": e.kv.prefix_queries,
+                             "hits": e.kv.prefix_hits, "cached_blocks": e.kv.num_cached_blocks},
             "max_model_len": e.max_model_len,
             "last_step": {"schedule_s": s.schedule_s, "execute_s": s.execute_s, "update_s": s.update_s,
                           "worker": s.worker_timings, "num_tokens": s.num_tokens},
@@ -183,22 +197,25 @@ class EngineHost(RankActor):
 
     # ---- the loop (its own thread) ------------------------------------------------------------
     def _loop(self) -> None:
-        last = time.monotonic()
+        last, shown = time.monotonic(), None          # when the last StepBatch went out, and its gauges
         try:
             while not getattr(self, "_stopping", False):
                 rejected = self.admission.apply(self.engine)
                 if not self.engine.has_unfinished():
-                    if rejected or time.monotonic() - last > _IDLE_TICK_S:
-                        self._out.put(step_batch(self.engine, [], rejected))
-                        last = time.monotonic()
+                    # at once when the gauges moved (e.g. the aborts of disconnected clients), else a tick
+                    if rejected or engine_gauges(self.engine) != shown or time.monotonic() - last > _IDLE_TICK_S:
+                        batch = step_batch(self.engine, [], rejected)
+                        self._out.put(batch)
+                        last, shown = time.monotonic(), batch.gauges
                     self._wake.wait(timeout=_IDLE_TICK_S)
                     self._wake.clear()
                     continue
                 self._step_started = time.monotonic()
                 deltas = self.engine.step()
                 self._step_started = None
-                self._out.put(step_batch(self.engine, deltas, rejected))
-                last = time.monotonic()
+                batch = step_batch(self.engine, deltas, rejected)
+                self._out.put(batch)
+                last, shown = time.monotonic(), batch.gauges
         except BaseException as e:  # noqa: BLE001 - an executor failure: the engine is dead
             logger.exception("engine loop failed")
             self._dead = e

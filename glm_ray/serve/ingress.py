@@ -8,6 +8,11 @@ detokenizes generated text and applies stop strings; the ingress only renders to
 logprobs. Whatever ends a request early (client disconnect, cancellation, an error in a sibling
 sub-request) aborts every unfinished sub-request on the Router.
 
+Chat output passes through serve/parsers, one parser per choice (--reasoning-parser / --tool-call-parser,
+"auto" from the checkpoint's model type): the thinking block becomes `reasoning_content`, tool-call markup
+`tool_calls` (finish_reason "tool_calls"); streamed, each engine delta becomes the deltas that became
+certain (reasoning, content, a call's name, its argument fragments), in order.
+
 Bounds and access (issue: no request can take the server down): bodies larger than
 `MAX_BODY_BYTES` are a 413 before they are parsed; `protocol.parse_body` rejects what no model
 validator should see (depth, non-finite numbers, invalid Unicode); with an API key configured the
@@ -22,8 +27,12 @@ Router contract (glm_ray/serve/router.py):
 """
 import asyncio
 import contextvars
+import dataclasses
+import functools
 import importlib.metadata
+import json
 import logging
+import os
 import time
 from typing import Any, Optional
 
@@ -40,43 +49,54 @@ from glm_ray.serve.errors import error_response, for_client, install_error_handl
 from glm_ray.serve.fanout import EventStream, Fanout, SubRequest, pad_logprobs
 from glm_ray.serve.logprobs import chat_logprobs, completion_logprobs, format_prompt_logprobs
 from glm_ray.serve.openapi import build_openapi
+from glm_ray.serve.parsers import Content, Event, OutputParser, Reasoning, ToolCallStart, resolve_parsers
+from glm_ray.serve.parsers.reasoning import ANSWER, MAYBE, THINKING, initial_state
+from glm_ray.serve.parsers.reasoning import END as THINK_END
 from glm_ray.serve.protocol import (
     MAX_CHOICES,
-    SSE_DONE,
     APIError,
-    ChatChoiceLogprobs,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionResponseChoice,
-    ChatCompletionStreamChoice,
-    ChatCompletionStreamResponse,
-    ChatResponseMessage,
-    CompletionLogProbs,
     CompletionRequest,
-    CompletionResponse,
-    CompletionResponseChoice,
-    CompletionResponseStreamChoice,
-    CompletionStreamResponse,
-    DeltaMessage,
     DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
     TokenizeChatRequest,
-    TokenizeResponse,
-    UsageInfo,
     bad_request,
     check_prompt_fits,
     check_token_ids,
     load_generation_defaults,
     parse_body,
     parse_tokenize_body,
-    random_id,
     requested_max_tokens,
-    sse,
+    template_tools,
     to_sampling_params,
 )
 from glm_ray.serve.request_context import bearer_ok
+from glm_ray.serve.responses import (
+    SSE_DONE,
+    ChatChoiceLogprobs,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    CompletionLogProbs,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    DetokenizeResponse,
+    FunctionCall,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    ToolCall,
+    UsageInfo,
+    random_id,
+    sse,
+)
+from glm_ray.serve.tool_grammar import glm_tool_call_structured_outputs
 
 logger = logging.getLogger("glm_ray.serve.ingress")
 
@@ -132,6 +152,48 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     return b"".join(chunks)
 
 
+def model_type(model_path: str) -> Optional[str]:
+    """config.json's `model_type` (what --tool-call-parser / --reasoning-parser auto resolve from)."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def stream_deltas(events: list[Event]) -> list[DeltaMessage]:
+    """A choice's parser events -> stream deltas in order: consecutive reasoning / content merged; a
+    tool call's first delta (id, type, name, arguments "") on its own, then its argument fragments."""
+    out: list[DeltaMessage] = []
+    last = None
+    for e in events:
+        if isinstance(e, Reasoning):
+            if last == "reasoning":
+                out[-1].reasoning_content += e.text
+            else:
+                out.append(DeltaMessage(reasoning_content=e.text))
+        elif isinstance(e, Content):
+            if last == "content":
+                out[-1].content += e.text
+            else:
+                out.append(DeltaMessage(content=e.text))
+        elif isinstance(e, ToolCallStart):
+            out.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                index=e.index, id=e.id, type="function", function=DeltaFunctionCall(name=e.name, arguments=""))]))
+        elif last == "args" and out[-1].tool_calls[0].index == e.index:
+            out[-1].tool_calls[0].function.arguments += e.fragment
+        else:
+            out.append(DeltaMessage(tool_calls=[DeltaToolCall(index=e.index,
+                                                              function=DeltaFunctionCall(arguments=e.fragment))]))
+        last = {Reasoning: "reasoning", Content: "content", ToolCallStart: "start"}.get(type(e), "args")
+    return out
+
+
+def chat_finish_reason(engine_reason: Optional[str], called: bool) -> Optional[str]:
+    """OpenAI's "tool_calls" when the model stopped after calling tools (a cut-off output keeps "length")."""
+    return "tool_calls" if called and engine_reason == "stop" else engine_reason
+
+
 # --------------------------------------------------------------------------------------------
 # The ingress deployment class
 # --------------------------------------------------------------------------------------------
@@ -147,10 +209,16 @@ class OpenAIIngress:
     def __init__(self, router, model_path: str, served_model_name: str, *,
                  tokenizer_path: Optional[str] = None, chat_template: Optional[str] = None,
                  generation_config: str = "auto", api_key: Optional[str] = None,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, tool_call_parser: str = "auto",
+                 reasoning_parser: str = "auto"):
         self.router = router
         self.api_key = api_key or envs.API_KEY.get()
         self.trust_request_chat_template = bool(trust_request_chat_template)
+        self.tool_call_parser, self.reasoning_parser = resolve_parsers(tool_call_parser, reasoning_parser,
+                                                                       model_type(model_path))
+        logger.info("output parsers: tool calls %s, reasoning %s", self.tool_call_parser, self.reasoning_parser)
+        # tests only (never set in production): requests may force their output tokens
+        self.forced_output = envs.TEST_FORCED_OUTPUT.get()
         self.model_path = model_path
         self.served_model_name = served_model_name
         self.tokenizer = load_tokenizer(tokenizer_path or model_path)
@@ -213,7 +281,8 @@ class OpenAIIngress:
             return await asyncio.to_thread(fn)
         return fn()
 
-    def _render_chat(self, req) -> list[int]:
+    def _render_chat(self, req) -> tuple[list[int], str]:
+        """The chat prompt: (token ids, the rendered text)."""
         template = self.chat_template
         if req.chat_template is not None:
             if not self.trust_request_chat_template:
@@ -230,7 +299,7 @@ class OpenAIIngress:
         messages = req.template_messages()
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=req.tools, chat_template=template, tokenize=False,
+                messages, tools=template_tools(req.tools), chat_template=template, tokenize=False,
                 add_generation_prompt=bool(req.add_generation_prompt),
                 continue_final_message=bool(req.continue_final_message), **kwargs)
         except APIError:
@@ -238,11 +307,40 @@ class OpenAIIngress:
         except Exception as e:  # noqa: BLE001 - jinja2 TemplateError, SecurityError, the template's own errors
             detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             raise bad_request(f"Could not apply the chat template: {detail}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        return self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens)), text
 
-    async def _chat_prompt_ids(self, req) -> list[int]:
+    async def _chat_prompt(self, req) -> tuple[list[int], str]:
         size = sum(len(m.text_content()) for m in req.messages)
         return await self._run_blocking(lambda: self._render_chat(req), size)
+
+    def _forced_output(self, req, sp: SamplingParams, vocab_size: int) -> SamplingParams:
+        """Tests only: a request's `forced_token_ids` (an extension field) become the output's first tokens,
+        when the server runs with GLM_RAY_TEST_FORCED_OUTPUT=1; otherwise the field is ignored like any
+        unknown one."""
+        forced = (req.model_extra or {}).get("forced_token_ids")
+        if not self.forced_output or forced is None:
+            return sp
+        if not isinstance(forced, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in forced):
+            raise bad_request("forced_token_ids must be a list of token ids", param="forced_token_ids")
+        check_token_ids(forced, vocab_size, param="forced_token_ids")
+        return sp.clone(forced_token_ids=forced)
+
+    def _constrain_chat(self, sp: SamplingParams, prompt_text: str, tool_choice) -> SamplingParams:
+        """What decoding must produce in a chat turn: with `tool_choice` "required" or a named function, a
+        GLM tool call whose arguments follow the tool's schema; with a `response_format`, the format — after
+        the thinking block when the turn starts inside one (GLM-5's default), so thinking stays free text."""
+        state = initial_state(prompt_text) if self.reasoning_parser != "none" else ANSWER
+        so = sp.structured_outputs
+        if tool_choice.constrained:
+            if so is not None:
+                raise bad_request("response_format cannot be combined with tool_choice 'required' or a named "
+                                  "function", param="tool_choice")
+            so = glm_tool_call_structured_outputs(
+                tool_choice.schemas, tool_choice.names, tool_choice.mode, tool_choice.parallel,
+                reasoning={THINKING: "enabled", MAYBE: "auto"}.get(state, "disabled"))
+        elif so is not None and state == THINKING:
+            so = dataclasses.replace(so, reasoning_end=THINK_END)
+        return sp if so is sp.structured_outputs else sp.clone(structured_outputs=so)
 
     async def _completion_prompts(self, req: CompletionRequest, vocab_size: int):
         out = []
@@ -387,7 +485,7 @@ class OpenAIIngress:
         self._check_model(req.model)
         info = await self._info()
         if isinstance(req, TokenizeChatRequest):
-            ids = await self._chat_prompt_ids(req)
+            ids, _ = await self._chat_prompt(req)
         else:
             ids = await self._run_blocking(
                 lambda: self.tokenizer.encode(req.prompt, add_special_tokens=bool(req.add_special_tokens)),
@@ -519,13 +617,19 @@ class OpenAIIngress:
     @openai_errors("chat", auth=True)
     async def chat_completions(self, request: Request):
         req, info = await self._parse(request, ChatCompletionRequest)
-        ids = await self._chat_prompt_ids(req)
+        tool_choice = req.tool_choice_spec()
+        ids, text = await self._chat_prompt(req)
         sp = self._params(req, len(ids), int(info["max_model_len"]), "messages")
-        return await self._generate(req, random_id("chatcmpl"), [(None, ids)], [sp], self._chat_stream,
-                                    self._chat_full)
+        sp = self._forced_output(req, sp, int(info.get("vocab_size") or 1 << 31))
+        sp = self._constrain_chat(sp, text, tool_choice)
+        new_parser = functools.partial(OutputParser.create, self.reasoning_parser, self.tool_call_parser, text,
+                                       tool_choice)
+        return await self._generate(req, random_id("chatcmpl"), [(None, ids)], [sp],
+                                    functools.partial(self._chat_stream, new_parser=new_parser),
+                                    functools.partial(self._chat_full, new_parser=new_parser))
 
     async def _chat_full(self, req: ChatCompletionRequest, base_id: str, fan: Fanout,
-                         prompt_lens: list[int]) -> JSONResponse:
+                         prompt_lens: list[int], new_parser) -> JSONResponse:
         await fan.collect()
         choices = []
         for s in fan.subs:
@@ -534,9 +638,14 @@ class OpenAIIngress:
             if k is not None:
                 lps = ChatChoiceLogprobs(content=chat_logprobs(s.token_ids, pad_logprobs(s.logprobs, len(s.token_ids)),
                                                                k, self.tok))
+            msg = new_parser().parse(s.text)
+            calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in msg.tool_calls]
+            content = None if not msg.content and (calls or msg.reasoning_content is not None) else msg.content
             choices.append(ChatCompletionResponseChoice(
-                index=s.index, message=ChatResponseMessage(content=s.text), logprobs=lps,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+                index=s.index, message=ChatResponseMessage(content=content, reasoning_content=msg.reasoning_content,
+                                                           tool_calls=calls),
+                logprobs=lps, finish_reason=chat_finish_reason(s.finish_reason, bool(calls)),
+                stop_reason=s.stop_reason))
         plp = None
         if req.prompt_logprobs is not None and fan.subs:
             s0 = fan.subs[0]
@@ -546,8 +655,9 @@ class OpenAIIngress:
         return JSONResponse(resp.model_dump())
 
     async def _chat_stream(self, req: ChatCompletionRequest, base_id: str, fan: Fanout,
-                           prompt_lens: list[int]):
+                           prompt_lens: list[int], new_parser):
         created = int(time.time())
+        parsers = {s.index: new_parser() for s in fan.subs}
         model = self.served_model_name
 
         def chunk(choices, usage=None, plp=None) -> str:
@@ -578,13 +688,17 @@ class OpenAIIngress:
                 if not plp_sent and s.prompt_lps is not None:
                     plp_sent = True
                     plp = format_prompt_logprobs(s.prompt_ids, s.prompt_lps, req.prompt_logprobs, self.tok)
-                if not (d.new_text or d.finished or lps is not None or plp is not None):
+                parser = parsers[s.index]
+                deltas = stream_deltas(parser.feed(d.new_text) + (parser.finish() if d.finished else []))
+                if not (deltas or d.finished or lps is not None or plp is not None):
                     continue
-                delta = DeltaMessage(content=d.new_text) if d.new_text else DeltaMessage()
-                yield chunk([ChatCompletionStreamChoice(
-                    index=s.index, delta=delta, logprobs=lps,
-                    finish_reason=d.finish_reason if d.finished else None,
-                    stop_reason=d.stop_reason if d.finished else None)], plp=plp)
+                deltas = deltas or [DeltaMessage()]
+                for j, delta in enumerate(deltas):
+                    end = d.finished and j == len(deltas) - 1
+                    yield chunk([ChatCompletionStreamChoice(
+                        index=s.index, delta=delta, logprobs=lps if j == 0 else None,
+                        finish_reason=chat_finish_reason(d.finish_reason, parser.called) if end else None,
+                        stop_reason=d.stop_reason if end else None)], plp=plp if j == 0 else None)
             else:
                 if req.include_usage:
                     yield chunk([], usage=self._usage(fan.subs, prompt_lens))

@@ -10,6 +10,8 @@ from typing import Optional, Protocol
 
 from glm_ray.serve.protocol import (
     MIN_LOGPROB,
+)
+from glm_ray.serve.responses import (
     ChatLogprobEntry,
     CompletionLogProbs,
     PromptLogprob,

@@ -20,7 +20,8 @@ Names and labels
     Our label keys are `model` (served model name), `fp8_proj` ("on"/"off": the prefill-only FP8
     projection GEMM, so A/B runs share one dashboard) and `tp` (tensor-parallel size), plus
     `finish_reason` (stop|length|abort|error) on `requests_finished` and `error_type` on
-    `request_errors`. The dashboard (deploy/grafana/glm-ray.json), the Prometheus rules
+    `request_errors` (the `EngineError.error_type` of what the Router counts: `ERROR_TYPES`, or any
+    other identifier; free text becomes "other"). The dashboard (deploy/grafana/glm-ray.json), the Prometheus rules
     (deploy/prometheus/rules.yaml) and tests/deploy check their queries against `METRICS` below,
     so a rename here fails those tests until they follow.
 
@@ -33,30 +34,58 @@ Counting contract (what the Router calls when)
       TPOT = (e2e - ttft) / (generated - 1), None when fewer than two tokens were generated.
     - `on_error(error_type)`: once per failure, including requests rejected before admission
       (which never reach `on_request_finished`). `error_type` is `EngineError.error_type`.
-    - `on_step(...)`: once per engine step. Also call it while idle (every few seconds, with
-      zeros) so the running/waiting gauges fall back to 0 after traffic stops.
+    - `on_step(...)`: once per engine step, and whenever the idle engine's gauges changed.
 
 Hot path
     `on_tokens` and `on_step` run every engine step. Tags are bound once as default tags (no
-    per-call dict), unchanged gauges are re-set only every `GAUGE_REFRESH_S`, zero counts are
-    skipped, and a metrics failure is logged once and never propagates into the engine loop.
+    per-call dict), a gauge is set only when its value changed, zero counts are skipped, and a
+    metrics failure is logged once and never propagates into the engine loop.
     Measured with Ray 2.60 on a 2-core CPU box: ~3.5 us per ITL sample, ~6 us per `on_step`.
+
+Series from the first scrape
+    Prometheus practice is to export every known label set at 0 from the start: a panel then
+    shows 0 rather than "No data", and `rate()` sees the first increment (a series that appears
+    at 1 has no earlier sample to rate against). `EngineMetrics()` therefore records, at
+    construction, 0 on each counter for each known label set (the `model`/`fp8_proj`/`tp` set;
+    `finish_reason` in `FINISH_REASONS`; `error_type` in `ERROR_TYPES`) and sets each gauge to 0.
+    Ray's public `Counter.inc()` refuses 0 (Ray 2.60: "value must be >0"), so the zero goes
+    through `Metric._record(0, tags)`, the method `inc()` itself ends in (after its own checks):
+    the same tags, the same Cython metric, and an OpenTelemetry counter takes an add of 0 and
+    exports the series at 0. It is private to Ray, hence `_export_zero` checks it exists and
+    falls back to a logged no-op (the series then appear on their first increment, as before).
+    Histograms cannot be pre-created through Ray 2.60: its metrics agent drops histogram points
+    whose count is 0 (`ReporterAgent._export_histogram_data`), and observing a fake value would
+    corrupt the latencies, so a histogram's `_bucket`/`_sum`/`_count` series appear with its
+    first observation (its quantile panels have nothing to show before traffic anyway).
+
+How fresh the gauges are
+    The engine loops publish a `StepBatch` after every step and, when idle, as soon as the gauges
+    moved (the aborts of a burst of disconnects), so `on_step` sets the gauge on the change.
+    From there Ray exports every `metrics_report_interval_ms` (Ray's system config; Ray's default
+    10000 ms): the value on /metrics trails the engine by up to that interval plus the scrape
+    interval. `glm-ray serve --metrics-report-interval-ms` sets it for the Ray it starts (default
+    2000); for a cluster started with `ray start` (KubeRay included) set the environment variable
+    `RAY_metrics_report_interval_ms` on every node. Ray's agent also ages out a gauge series not
+    set for 2 export intervals, so the Router re-sets the gauges every `gauge_refresh_s` (half
+    the interval, 0.5..5 s) with `keep_gauges_fresh()`.
 
 Ray-isms worth knowing
     - Ray computes a histogram's `_sum` from bucket midpoints, so `_sum / _count` (a mean) is an
       approximation; quantiles from `_bucket` are as good as the boundaries below.
-    - Ray ages out a gauge series that has not been set for ~2 export intervals, hence the
-      periodic re-set and the "call `on_step` while idle" rule.
+    - Ray ages out a gauge series that has not been set for ~2 export intervals, hence
+      `keep_gauges_fresh()`.
     - Boundaries are exported with a decimal point: `le="512.0"`, `le="0.1"`, `le="+Inf"`.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Iterable
+
+from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError, StepOutOfMemoryError
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +100,10 @@ LABEL_KEYS: tuple[str, ...] = ("model", "fp8_proj", "tp")
 SERVE_TAG_KEYS: tuple[str, ...] = ("deployment", "replica", "application")
 #: Allowed values of the `finish_reason` label.
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
+#: The `error_type`s the Router counts (exported at 0 from the start): queue full, a request's step
+#: failed, the device ran out of memory in a request's step, the engine died.
+ERROR_TYPES: tuple[str, ...] = (EngineOverloadedError.error_type, RequestFailedError.error_type,
+                                StepOutOfMemoryError.error_type, EngineDeadError.error_type)
 
 # -------------------------------------------------------------------------------------------
 # Bucket boundaries (seconds unless stated). LLM latencies span four orders of magnitude:
@@ -183,6 +216,9 @@ REQUESTS_FINISHED = _c(
     "requests_finished", "Requests that finished, by finish reason (stop|length|abort|error).",
     ("finish_reason",))
 PREEMPTIONS = _c("preemptions", "Requests preempted (KV blocks freed, to be recomputed).")
+PREFIX_CACHE_QUERIES = _c(
+    "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (each admission of a request).")
+PREFIX_CACHE_HITS = _c("prefix_cache_hits", "Of the prefix-cache queries, tokens found cached (not computed).")
 REQUEST_ERRORS = _c(
     "request_errors", "Failed or rejected requests, by error type.", ("error_type",))
 REQUESTS_RUNNING = _g("requests_running", "Requests in the running batch.")
@@ -193,7 +229,8 @@ KV_CACHE_USAGE = _g("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use 
 METRICS: tuple[MetricSpec, ...] = (
     TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY,
     QUEUE_TIME, PREFILL_BATCH_TOKENS, DECODE_BATCH_SIZE,
-    PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS_FINISHED, PREEMPTIONS, REQUEST_ERRORS,
+    PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS_FINISHED, PREEMPTIONS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
+    REQUEST_ERRORS,
     REQUESTS_RUNNING, REQUESTS_WAITING, KV_CACHE_USAGE,
 )
 
@@ -208,8 +245,20 @@ def exported_series_names() -> set[str]:
 # -------------------------------------------------------------------------------------------
 
 BACKENDS = ("serve", "ray", "noop")
-#: Unchanged gauges are re-set this often (Ray ages out gauges that are not refreshed).
+#: Longest period of the gauge re-set (`keep_gauges_fresh`; Ray ages out gauges that are not re-set).
 GAUGE_REFRESH_S = 5.0
+#: Ray's default `metrics_report_interval_ms`, when the running Ray does not say.
+RAY_DEFAULT_REPORT_INTERVAL_MS = 10_000
+
+
+def report_interval_s() -> float:
+    """Ray's metrics export interval in this process (`metrics_report_interval_ms`), in seconds."""
+    try:
+        import ray  # noqa: PLC0415 - only where Ray runs (the metrics are enabled)
+        ms = ray._config.metrics_report_interval_ms()   # private, but Ray's own telemetry code reads it so
+    except Exception:  # noqa: BLE001 - an older/newer Ray without it: assume its default
+        ms = RAY_DEFAULT_REPORT_INTERVAL_MS
+    return max(float(ms), 1000.0) / 1000.0            # Ray floors the export cadence at 1 s
 
 
 def detect_backend() -> str:
@@ -242,6 +291,15 @@ def _metric_classes(backend: str) -> tuple[Any, Any, Any]:
 _ERROR_TYPE_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 
 
+def _export_zero(metric: Any, tags: dict[str, str] | None) -> None:
+    """Make `metric`'s series for `tags` exist at 0: `Metric._record(0)`, what `Counter.inc()` ends in
+    (its public check refuses 0; why this route: the module docstring)."""
+    record = getattr(metric, "_record", None)
+    if record is None:
+        raise AttributeError(f"{type(metric).__name__} has no _record: this Ray cannot export a counter at 0")
+    record(0, tags)
+
+
 def _label_error_type(error_type: str) -> str:
     # Keep the label's cardinality bounded: identifiers pass, free text does not.
     return error_type if isinstance(error_type, str) and _ERROR_TYPE_RE.match(error_type) \
@@ -264,11 +322,13 @@ class EngineMetrics:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         self.enabled = self.backend != "noop"
         self._warned = False
-        self._last_gauges: list[float | None] = [None, None, None]
-        self._gauges_set_at = 0.0
+        self._last_gauges: list[float] = [0.0, 0.0, 0.0]
+        self._last_prefix = [0, 0]               # the engine's cumulative prefix-cache queries / hits seen
         self._metrics: dict[str, Any] = {}
+        self.gauge_refresh_s = GAUGE_REFRESH_S
         if not self.enabled:
             return
+        self.gauge_refresh_s = min(GAUGE_REFRESH_S, max(0.5, report_interval_s() / 2))
 
         counter_cls, gauge_cls, histogram_cls = _metric_classes(self.backend)
         for spec in METRICS:
@@ -299,12 +359,34 @@ class EngineMetrics:
         self._generation_tokens = m[GENERATION_TOKENS.name].inc
         self._finished = m[REQUESTS_FINISHED.name].inc
         self._preemptions = m[PREEMPTIONS.name].inc
+        self._prefix = (m[PREFIX_CACHE_QUERIES.name].inc, m[PREFIX_CACHE_HITS.name].inc)
         self._errors = m[REQUEST_ERRORS.name].inc
         self._gauges = (m[REQUESTS_RUNNING.name].set, m[REQUESTS_WAITING.name].set,
                         m[KV_CACHE_USAGE.name].set)
         # One tags dict per label value, built once.
         self._finish_tags = {r: {"finish_reason": r} for r in FINISH_REASONS}
-        self._error_tags: dict[str, dict[str, str]] = {}
+        self._error_tags: dict[str, dict[str, str]] = {e: {"error_type": e} for e in ERROR_TYPES}
+        self._export_known_series()
+
+    def _export_known_series(self) -> None:
+        """Every counter at 0 for each known label set, every gauge at 0 (see "Series from the first
+        scrape" in the module docstring)."""
+        try:
+            for spec in METRICS:
+                metric = self._metrics[spec.name]
+                if spec.kind == "gauge":
+                    metric.set(0.0)
+                elif spec.kind == "counter":
+                    if spec is REQUESTS_FINISHED:
+                        label_sets = list(self._finish_tags.values())
+                    elif spec is REQUEST_ERRORS:
+                        label_sets = list(self._error_tags.values())
+                    else:
+                        label_sets = [None]
+                    for tags in label_sets:
+                        _export_zero(metric, tags)
+        except Exception as e:  # noqa: BLE001 - never fail the Router over a metric
+            self._failed("exporting the series at 0", e)
 
     # ------------------------------------------------------------------ hooks
 
@@ -361,17 +443,17 @@ class EngineMetrics:
             self._failed("on_error", e)
 
     def on_step(self, num_running: int, num_waiting: int, kv_usage: float, prefill_tokens: int,
-                decode_batch_size: int, num_preemptions: int) -> None:
+                decode_batch_size: int, num_preemptions: int, prefix_queries: int = 0,
+                prefix_hits: int = 0) -> None:
+        """`prefix_queries` / `prefix_hits` are the engine's running totals (a lost step loses nothing)."""
         if not self.enabled:
             return
         try:
+            for i, total in enumerate((prefix_queries, prefix_hits)):
+                if total > self._last_prefix[i]:
+                    self._prefix[i](int(total - self._last_prefix[i]))
+                self._last_prefix[i] = total
             last = self._last_gauges
-            now = time.monotonic()
-            # Re-set a gauge when it changed, and every GAUGE_REFRESH_S anyway: Ray drops a gauge
-            # series that was not set within ~2 export intervals (20 s by default).
-            if now - self._gauges_set_at >= GAUGE_REFRESH_S:
-                last[0] = last[1] = last[2] = None
-                self._gauges_set_at = now
             for i, value in enumerate((num_running, num_waiting, kv_usage)):
                 if value != last[i]:
                     self._gauges[i](float(value))
@@ -384,6 +466,24 @@ class EngineMetrics:
                 self._preemptions(int(num_preemptions))
         except Exception as e:  # noqa: BLE001 - never break the engine loop over a metric
             self._failed("on_step", e)
+
+    def refresh_gauges(self) -> None:
+        """Re-set every gauge to its last value (Ray's agent drops a gauge series not set for 2 export
+        intervals)."""
+        if not self.enabled:
+            return
+        try:
+            for set_gauge, value in zip(self._gauges, self._last_gauges):
+                set_gauge(float(value))
+        except Exception as e:  # noqa: BLE001 - never break the Router over a metric
+            self._failed("refresh_gauges", e)
+
+    async def keep_gauges_fresh(self) -> None:
+        """`refresh_gauges()` every `gauge_refresh_s`, forever (a task of the Router's event loop, the
+        loop `on_step` runs on); returns at once when the metrics are off."""
+        while self.enabled:
+            await asyncio.sleep(self.gauge_refresh_s)
+            self.refresh_gauges()
 
     # ------------------------------------------------------------------ internals
 

@@ -18,16 +18,18 @@ from pydantic.json_schema import models_json_schema
 
 from glm_ray.serve.protocol import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
-    DetokenizeResponse,
     ErrorResponse,
-    ModelCard,
-    ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+)
+from glm_ray.serve.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
     TokenizeResponse,
 )
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
-import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
@@ -29,8 +27,10 @@ from glm_ray.engine.sampling_params import (
     MAX_N,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
+    StructuredOutputsParams,
     is_valid_unicode,
 )
+from glm_ray.serve.parsers import ToolChoice
 
 # Logprob values that JSON cannot carry (-inf, nan) are clamped to this, like vLLM.
 MIN_LOGPROB = -9999.0
@@ -226,8 +226,41 @@ def _unsupported(value, info):
     return value
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text"] = "text"             # json_object / json_schema: not supported yet
+class ResponseFormatText(OpenAIBaseModel):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(OpenAIBaseModel):
+    """Any JSON object (enforced while decoding: engine/structured.py)."""
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(OpenAIBaseModel):
+    name: str
+    description: Optional[str] = None
+    schema_: dict[str, Any] = Field(alias="schema")         # the JSON Schema the output must validate against
+    strict: Optional[bool] = None                           # always enforced (the grammar is strict)
+
+
+class ResponseFormatJsonSchema(OpenAIBaseModel):
+    """A JSON value valid under `json_schema.schema` (enforced while decoding: engine/structured.py)."""
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[Union[ResponseFormatText, ResponseFormatJsonObject, ResponseFormatJsonSchema],
+                           Field(discriminator="type")]
+
+
+def structured_outputs(rf: Optional[ResponseFormat]) -> Optional[StructuredOutputsParams]:
+    """`response_format` as the engine's StructuredOutputsParams (None for text). Whether the schema
+    compiles is checked where the grammar library is loaded (the Router's validation: a 400 naming
+    `response_format`)."""
+    if isinstance(rf, ResponseFormatJsonObject):
+        return StructuredOutputsParams(json_object=True)
+    if isinstance(rf, ResponseFormatJsonSchema):
+        return StructuredOutputsParams(json=rf.json_schema.schema_)
+    return None
 
 
 class _SamplingRequest(OpenAIBaseModel):
@@ -253,7 +286,7 @@ class _SamplingRequest(OpenAIBaseModel):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    # Not supported (yet): the schema says so (no entries / only "text"), and so do the 400s.
+    # Not supported (yet): the schema says so (no entries), and so do the 400s.
     logit_bias: Optional[dict[str, float]] = Field(None, json_schema_extra={"maxProperties": 0})
     response_format: Optional[ResponseFormat] = None
 
@@ -353,6 +386,25 @@ class AssistantMessage(_Message):
     tool_calls: Optional[list[dict[str, Any]]] = None
     reasoning_content: Optional[str] = None
 
+    def to_template_dict(self) -> dict[str, Any]:
+        """Tool calls' `arguments` as the objects chat templates iterate over (clients send OpenAI's JSON
+        string; a string that is not a JSON object is passed on as is)."""
+        d = super().to_template_dict()
+        if self.tool_calls:
+            d["tool_calls"] = [_template_tool_call(tc) for tc in self.tool_calls]
+        return d
+
+
+def _template_tool_call(tc: dict[str, Any]) -> dict[str, Any]:
+    fn = tc.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return tc
+    try:
+        args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+    except (ValueError, RecursionError):
+        return tc
+    return {**tc, "function": {**fn, "arguments": args}} if isinstance(args, dict) else tc
+
 
 class ToolMessage(_Message):
     role: Literal["tool"]
@@ -363,15 +415,49 @@ class ToolMessage(_Message):
 # One message, by its role (the OpenAPI schema shows one object per role, as OpenAI's own spec does).
 ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
 
+# A function name the tool-call markup can carry: no (ASCII) whitespace, no `<` `>` (OpenAI's own rule,
+# [a-zA-Z0-9_-]{1,64}, is stricter; MCP-style names with `.` or `:` are accepted).
+FunctionName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^ \t\n\r\f\v<>]+$")]
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: FunctionName
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None      # a JSON Schema of the arguments object
+    strict: Optional[bool] = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: FunctionName
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call this function."""
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoiceParam = Union[Literal["none", "auto", "required"], NamedToolChoice, None]
+
+
+def template_tools(tools: Optional[list[ChatTool]]) -> Optional[list[dict[str, Any]]]:
+    """The tools as the chat template renders them: what the client sent, field for field."""
+    return [t.model_dump(exclude_unset=True) for t in tools] if tools else None
+
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[Bounded("max_tokens")] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Bounded("logprobs")] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    parallel_tool_calls: Optional[bool] = None
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: ToolChoiceParam = None           # default: "auto" with tools, else "none"
+    parallel_tool_calls: Optional[bool] = None    # false: at most one tool call
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = False
     chat_template: Optional[str] = None           # refused unless the server trusts request templates
@@ -380,6 +466,26 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
+
+    def tool_choice_spec(self) -> ToolChoice:
+        """`tools` + `tool_choice` + `parallel_tool_calls`, checked (400s name the field)."""
+        tools = self.tools or []
+        names = [t.function.name for t in tools]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise bad_request(f"tools: function names must be unique; {dup} appear more than once", param="tools")
+        tc = self.tool_choice
+        if isinstance(tc, NamedToolChoice):
+            if tc.function.name not in names:
+                raise bad_request(f"tool_choice names the function {tc.function.name!r}, which is not in tools",
+                                  param="tool_choice")
+            mode, allowed = "named", (tc.function.name,)
+        else:
+            mode, allowed = tc or ("auto" if tools else "none"), tuple(names)
+            if mode == "required" and not tools:
+                raise bad_request('tool_choice "required" needs tools', param="tool_choice")
+        return ToolChoice(mode, {t.function.name: t.function.parameters for t in tools}, allowed,
+                          parallel=self.parallel_tool_calls is not False)
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -398,7 +504,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     return_token_strs: Optional[bool] = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[ChatTool]] = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
@@ -507,11 +613,14 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest],
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=True if req.skip_special_tokens is None else bool(req.skip_special_tokens),
+        structured_outputs=structured_outputs(req.response_format),
     )
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
         param = getattr(e, "param", None)
+        if param == "structured_outputs":
+            param = "response_format"
         if is_chat and param == "max_tokens" and req.max_completion_tokens is not None:
             param = "max_completion_tokens"
         if is_chat and param == "logprobs":
@@ -543,191 +652,6 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> N
     for t in ids:
         if not 0 <= t < vocab_size:
             raise bad_request(f"token id {t} is out of range [0, {vocab_size})", param=param)
-
-
-# --------------------------------------------------------------------------------------------
-# Responses
-# --------------------------------------------------------------------------------------------
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: Optional[PromptTokensDetails] = None
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "UsageInfo":
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
-
-
-class PromptLogprob(BaseModel):
-    logprob: float
-    rank: Optional[int] = None
-    decoded_token: Optional[str] = None
-
-
-PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
-
-
-class CompletionLogProbs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
-
-    def extend(self, other: "CompletionLogProbs") -> None:
-        self.text_offset += other.text_offset
-        self.token_logprobs += other.token_logprobs
-        self.tokens += other.tokens
-        self.top_logprobs += other.top_logprobs
-
-
-class CompletionResponseChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogProbs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
-    prompt_logprobs: Optional[PromptLogprobs] = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo
-    system_fingerprint: Optional[str] = None
-
-
-class CompletionResponseStreamChoice(CompletionResponseChoice):
-    """A stream chunk's choice: the same fields, `text` being the new text only."""
-
-
-class CompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionResponseStreamChoice]
-    usage: Optional[UsageInfo] = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: Optional[list[int]] = None
-
-
-class ChatLogprobEntry(BaseModel):
-    token: str
-    logprob: float
-    bytes: Optional[list[int]] = None
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatChoiceLogprobs(BaseModel):
-    content: Optional[list[ChatLogprobEntry]] = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: str = "assistant"
-    content: Optional[str] = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class ChatCompletionResponseChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-    system_fingerprint: Optional[str] = None
-    prompt_logprobs: Optional[PromptLogprobs] = None
-
-
-class DeltaMessage(BaseModel):
-    role: Optional[str] = Field(default=None, exclude_if=lambda v: v is None)
-    content: Optional[str] = Field(default=None, exclude_if=lambda v: v is None)
-
-
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
-
-
-class ChatCompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: Optional[UsageInfo] = None
-    prompt_logprobs: Optional[PromptLogprobs] = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "glm-ray"
-    root: Optional[str] = None
-    parent: Optional[str] = None
-    max_model_len: Optional[int] = None
-    vocab_size: Optional[int] = None
-    permission: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: Optional[list[str]] = None
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-def sse(payload: BaseModel | dict) -> str:
-    """One server-sent event frame."""
-    if isinstance(payload, BaseModel):
-        data = payload.model_dump_json()
-    else:
-        data = json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
 
 
 def load_generation_defaults(model_path: str) -> dict[str, Any]:

@@ -13,11 +13,13 @@ import logging
 import time
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from glm_ray.config import make_engine_config
 from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, request_failure
 from glm_ray.engine.outputs import TokenDelta
 from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.serve import affinity_router
 from glm_ray.serve.args import ServeArgs
 from glm_ray.serve.engine_client import LocalEngine, RemoteEngine
 from glm_ray.serve.engine_host import StepBatch
@@ -43,14 +45,7 @@ class Router:
         self.args = args if isinstance(args, ServeArgs) else ServeArgs.from_dict(args)
         a = self.args
         model = a.resolved_model()
-        self.cfg = make_engine_config(
-            model, tensor_parallel_size=a.tp, dtype=a.dtype, device=a.device, load_format=a.load_format,
-            kernel_backend=a.kernel_backend, max_num_seqs=a.max_num_seqs,
-            max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len, block_size=a.block_size,
-            kv_cache_memory_bytes=int(a.kv_cache_memory_gb * 2**30) if a.kv_cache_memory_gb else None,
-            gpu_memory_utilization=a.gpu_memory_utilization, max_waiting=a.max_queued_requests,
-            fp8_proj_gemm=a.fp8_proj_gemm, fp8_proj_min_tokens=a.fp8_proj_min_tokens, enforce_eager=a.enforce_eager,
-            async_scheduling=a.async_scheduling)
+        self.cfg = make_engine_config(model, max_waiting=a.max_queued_requests, **a.engine_kwargs())
         engine_cls = RemoteEngine if a.engine_in_worker else LocalEngine
         self.engine = engine_cls(self.cfg, model, _worker_name_prefix())
         self.model_path = model
@@ -60,6 +55,7 @@ class Router:
         self._recent_aborts: dict[str, float] = {}    # aborts that arrived before their generate()
         self._closing = False
         self._loop_task = asyncio.get_event_loop().create_task(self._run())
+        self._gauge_task = asyncio.get_event_loop().create_task(self.metrics.keep_gauges_fresh())
         logger.info("Router ready: %s tp=%d fp8_proj=%s orchestration=%s", a.model_name(), a.tp, a.fp8_proj_gemm,
                     self.engine.orchestration)
 
@@ -144,7 +140,7 @@ class Router:
                     st.queue.put_nowait(e)
             self._publish(batch.deltas)
             self.metrics.on_step(batch.running, batch.waiting, batch.kv_usage, batch.num_prefill_tokens,
-                                 batch.num_decode_seqs, batch.num_preempted)
+                                 batch.num_decode_seqs, batch.num_preempted, batch.prefix_queries, batch.prefix_hits)
         except Exception:  # noqa: BLE001 - metrics/queues must not stop the loop
             logger.exception("publishing a step's outputs failed")
 
@@ -200,14 +196,23 @@ def _worker_name_prefix() -> str | None:
 
 
 def router_deployment(args: ServeArgs):
-    """`serve.deployment(Router)` with the placement group of one TP group."""
+    """`serve.deployment(Router)`: `router_replicas` replicas, each with the placement group of one TP group,
+    behind the `request_router` the ingress routes with."""
     gpu = args.uses_gpu()
     device_bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
     if args.accelerator_type:
         device_bundle[f"accelerator_type:{args.accelerator_type}"] = 0.001
     bundles = [{"CPU": args.router_cpus}] + [dict(device_bundle) for _ in range(args.tp)]
+    routing = {}
+    if args.request_router == "prefix_affinity":     # the ingress -> Router hop (serve/affinity_router.py)
+        routing["request_router_config"] = RequestRouterConfig(
+            request_router_class=affinity_router.IMPORT_PATH,
+            request_router_kwargs=dict(block_size=args.block_size, min_match_ratio=args.prefix_affinity_min_match,
+                                       max_imbalance=args.prefix_affinity_max_imbalance,
+                                       max_tokens_per_replica=args.prefix_affinity_max_tokens,
+                                       prefix_matching=args.enable_prefix_caching))
     return serve.deployment(
-        Router, name="Router", num_replicas=1, max_ongoing_requests=100_000,
+        Router, name="Router", num_replicas=args.router_replicas, max_ongoing_requests=100_000, **routing,
         ray_actor_options={"num_cpus": args.router_cpus},
         placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK",
         health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=600,

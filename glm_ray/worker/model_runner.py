@@ -11,6 +11,12 @@ arrives as a -1 placeholder and is read from step N's token tensor on the device
 A failure stays with the requests it belongs to: an exception in the forward fails every request of
 the step (reported in `ModelRunnerOutput.failed`, the caches and the runner stay usable); one in
 sampling is retried row by row so only the rows that raise fail. The engine frees their KV and goes on.
+
+Structured outputs (rank 0): a request with `structured_outputs` gets a `RequestGrammar` when it arrives
+(its compile starts on the grammar thread); each step, the sampling rows' bitmask is filled on the host
+after the forward is launched (so it overlaps the device's work) and applied in the sampler. The matcher
+follows the request's output history (`RequestGrammar.sync`), so it needs that history complete: under
+async scheduling a step with constrained rows first collects the previous launch, as penalties do.
 """
 from __future__ import annotations
 
@@ -26,13 +32,23 @@ from glm_ray.distributed.parallel_state import collective_timer, tp_rank
 from glm_ray.engine.contract import ModelRunnerOutput, SchedulerOutput, StepFailure
 from glm_ray.engine.outputs import LogprobDict
 from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.engine.structured import GrammarRuntime, RequestGrammar, tokenizer_info
+from glm_ray.engine.tokenizer import load_tokenizer
 from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables
 from glm_ray.layers.indexer import Indexer
 from glm_ray.worker.cache import allocate_caches, kv_bytes_per_token
 from glm_ray.worker.cuda_graph import DecodeGraphs
 from glm_ray.worker.faults import FaultInjector, classify
-from glm_ray.worker.sampler import (SamplingRow, copy_to_host, gather_logprobs, host_logprobs, logprob_tensors, sample,
-                                    to_device, to_logprob_dict)
+from glm_ray.worker.sampler import (
+    SamplingRow,
+    copy_to_host,
+    gather_logprobs,
+    host_logprobs,
+    logprob_tensors,
+    sample,
+    to_device,
+    to_logprob_dict,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +60,7 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    grammar: RequestGrammar | None = None         # rank 0: structured outputs
     _block_arr: np.ndarray | None = None          # int32 copy of block_ids for the graph staging
 
     def block_array(self) -> np.ndarray:
@@ -94,6 +111,7 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
         self._pending: PendingStep | None = None
+        self.grammars: GrammarRuntime | None = None   # structured outputs, made at the first such request
 
     def _capture_graphs(self, num_blocks: int) -> DecodeGraphs | None:
         """Decode CUDA graphs (worker/cuda_graph.py); on any capture failure, eager with an error log."""
@@ -122,7 +140,9 @@ class ModelRunner:
             gen = None
             if nr.params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(nr.params.seed)
-            self.requests[nr.req_id] = ReqState(nr.params, nr.prompt_token_ids, generator=gen)
+            st = self.requests[nr.req_id] = ReqState(nr.params, nr.prompt_token_ids, generator=gen)
+            if nr.params.structured_outputs is not None and tp_rank() == 0:
+                st.grammar = self.grammar_runtime().start(nr.params)
         for s in step.seqs:
             st = self.requests[s.req_id]
             if s.reset_blocks:
@@ -186,7 +206,9 @@ class ModelRunner:
         self._last_rows = {}
         if sampling:
             states = [self.requests[r] for r in sampling]
-            if self._pending is not None and any(st.params.needs_penalties or st.params.min_tokens for st in states):
+            if self._pending is not None and any(st.params.needs_penalties or st.params.min_tokens
+                                                 or st.grammar is not None or st.params.forced_token_ids
+                                                 for st in states):
                 self.collect(self._pending)              # their sampling reads the host's output lists
             self._launch_sample(pending, sampling, states, logits)
         self._pending = pending
@@ -289,7 +311,18 @@ class ModelRunner:
         if self.faults is not None:
             self.faults.before_sample([st.prompt_ids for st in states])
         rows = [SamplingRow(st.params, st.generator, st.prompt_ids, st.output_ids, self.eos) for st in states]
-        return sample(logits, rows)
+        bitmask = None
+        if any(st.grammar is not None for st in states):
+            bitmask = self.grammars.bitmask([st.grammar for st in states], [st.output_ids for st in states],
+                                            logits.device)
+        return sample(logits, rows, bitmask)
+
+    def grammar_runtime(self) -> GrammarRuntime:
+        """Rank 0's structured-output runtime (made once; the tokenizer is read on its compile thread)."""
+        if self.grammars is None:
+            V, eos, path = self.model_cfg.vocab_size, self.eos, self.cfg.model
+            self.grammars = GrammarRuntime(lambda: tokenizer_info(load_tokenizer(path, V), V, eos), V, eos)
+        return self.grammars
 
     def _fail_step(self, req_ids: list[str], e: BaseException) -> ModelRunnerOutput:
         kind = classify(e)

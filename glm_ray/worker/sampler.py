@@ -1,5 +1,5 @@
-"""Batched sampling from last-position logits: penalties, min_tokens, temperature, top-k, top-p,
-min-p, per-request seeds, and logprobs of the raw model distribution.
+"""Batched sampling from last-position logits: penalties, min_tokens, the structured-output token
+bitmask, temperature, top-k, top-p, min-p, per-request seeds, and logprobs of the raw model distribution.
 
 All rows are processed together with masked tensor ops; the only per-row Python work is drawing
 noise for seeded requests (each owns a torch.Generator) and packaging logprob dicts.
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.engine.structured import TokenBitmask, apply_token_bitmask
 
 
 def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -96,10 +97,14 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V] fp32 -> (token ids [N], raw logprobs [N, V])."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           bitmask: TokenBitmask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] fp32 -> (token ids [N], raw logprobs [N, V]). `bitmask` (engine/structured.py): the
+    tokens the constrained rows may sample (structured outputs)."""
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     logits = _mask_min_tokens(_penalize(logits, rows), rows)
+    if bitmask is not None:
+        logits = apply_token_bitmask(logits, bitmask)
     tokens = logits.argmax(-1)
     if not all(r.params.greedy for r in rows):
         greedy = to_device([r.params.greedy for r in rows], logits.device)
@@ -110,7 +115,20 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor,
                 noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=r.generator)
         sampled = (probs / noise).argmax(-1)
         tokens = torch.where(greedy, tokens, sampled)
-    return tokens, raw_logprobs
+    return _force(tokens, rows), raw_logprobs
+
+
+def _force(tokens: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Tests only: rows with `forced_token_ids` left to emit take their next one instead of the sample
+    (SamplingParams.forced_token_ids; the server sets it only under GLM_RAY_TEST_FORCED_OUTPUT)."""
+    forced = [(i, r.params.forced_token_ids[len(r.output_ids)]) for i, r in enumerate(rows)
+              if len(r.output_ids) < len(r.params.forced_token_ids)]
+    if not forced:
+        return tokens
+    tokens = tokens.clone()
+    tokens[to_device([i for i, _ in forced], tokens.device, torch.long)] = to_device([t for _, t in forced],
+                                                                                    tokens.device, tokens.dtype)
+    return tokens
 
 
 def logprob_tensors(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> list[torch.Tensor]:

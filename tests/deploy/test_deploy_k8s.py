@@ -41,7 +41,9 @@ APP_ARGS = {
     "max_num_batched_tokens": int, "max_model_len": int, "block_size": int,
     "gpu_memory_utilization": float, "max_queued_requests": int,
     "accelerator_type": str, "router_cpus": (int, float), "ingress_replicas": int,
-    "kv_cache_memory_gb": (int, float),
+    "kv_cache_memory_gb": (int, float), "request_router": ("prefix_affinity", "power_of_two"),
+    "prefix_affinity_min_match": (int, float), "prefix_affinity_max_imbalance": int,
+    "prefix_affinity_max_tokens": int,
 }
 UPGRADE_TYPES = {"NewCluster", "NewClusterWithIncrementalUpgrade", "None"}
 MI355X = "accelerator_type:AMD-Instinct-MI355X-OAM"

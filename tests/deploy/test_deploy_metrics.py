@@ -16,7 +16,7 @@ EXPECTED = {
     },
     "counter": {
         "glm_ray_prompt_tokens", "glm_ray_generation_tokens", "glm_ray_requests_finished",
-        "glm_ray_preemptions", "glm_ray_request_errors",
+        "glm_ray_preemptions", "glm_ray_request_errors", "glm_ray_prefix_cache_queries", "glm_ray_prefix_cache_hits",
     },
     "gauge": {
         "glm_ray_requests_running", "glm_ray_requests_waiting", "glm_ray_kv_cache_usage_ratio",
@@ -113,6 +113,8 @@ def test_bad_backend_is_rejected():
 # ---------------------------------------------------------------- the recording logic, with fakes
 
 class _Fake:
+    """Ray's metric classes as far as EngineMetrics uses them: `_record` is where every public call
+    ends (Ray 2.60's Metric._record), `inc` refuses what Ray's refuses."""
     instances: list["_Fake"] = []
 
     def __init__(self, name, description="", boundaries=None, tag_keys=None):
@@ -127,21 +129,21 @@ class _Fake:
         self.default_tags = tags
         return self
 
-    def _rec(self, value, tags=None):
+    def _record(self, value, tags=None):
         assert isinstance(value, (int, float)) and type(value) is not bool
         final = {**self.default_tags, **(tags or {})}
         assert set(final) == set(self.tag_keys), (self.name, final, self.tag_keys)
         self.calls.append((value, tags))
 
     def observe(self, value, tags=None):
-        self._rec(value, tags)
+        self._record(value, tags)
 
     def set(self, value, tags=None):
-        self._rec(value, tags)
+        self._record(value, tags)
 
     def inc(self, value=1.0, tags=None):
         assert value > 0, "Ray rejects non-positive increments"
-        self._rec(value, tags)
+        self._record(value, tags)
 
 
 class _FakeCounter(_Fake):
@@ -163,7 +165,10 @@ def fake_metrics(monkeypatch):
     monkeypatch.setattr(gm, "_metric_classes",
                         lambda backend: (_FakeCounter, _FakeGauge, _FakeHistogram))
     m = gm.EngineMetrics("glm-5", fp8_proj=True, tp=8, backend="ray")
-    return m, {f.name: f for f in _Fake.instances}
+    made = {f.name: f for f in _Fake.instances}
+    for f in made.values():                     # what construction recorded: test_known_series_start_at_zero
+        f.startup, f.calls = f.calls, []
+    return m, made
 
 
 def test_every_metric_is_created_with_its_tags(fake_metrics):
@@ -209,20 +214,77 @@ def test_labels_stay_bounded(fake_metrics):
         {"error_type": "other"}, {"error_type": "invalid_request_error"}]
 
 
-def test_unchanged_gauges_are_refreshed_not_spammed(fake_metrics, monkeypatch):
+def test_known_series_start_at_zero(fake_metrics):
+    """Construction makes every counter series with a known label set exist at 0 (through `_record`:
+    Ray's `inc(0)` raises) and sets every gauge to 0; histograms record nothing (a fake observation
+    would be counted)."""
     m, made = fake_metrics
-    now = [1000.0]
-    monkeypatch.setattr(gm.time, "monotonic", lambda: now[0])
-    running = made["glm_ray_requests_running"]
+    for spec in gm.METRICS:
+        got = made[spec.name].startup
+        if spec.kind == "histogram":
+            assert got == [], spec.name
+        elif spec.kind == "gauge":
+            assert got == [(0.0, None)], spec.name
+        elif spec is gm.REQUESTS_FINISHED:
+            assert got == [(0, {"finish_reason": r}) for r in ("stop", "length", "abort", "error")]
+        elif spec is gm.REQUEST_ERRORS:
+            assert sorted(t["error_type"] for _, t in got) == sorted(
+                ["server_overloaded", "engine_error", "out_of_memory", "engine_dead"])
+            assert all(v == 0 for v, _ in got)
+        else:
+            assert got == [(0, None)], spec.name
+
+
+def test_error_types_are_the_router_counted_ones():
+    """ERROR_TYPES (exported at 0) are the engine errors the Router counts: 503 queue full, 500/503 a
+    failed step, 503 a dead engine."""
+    from glm_ray.engine import errors
+    assert set(gm.ERROR_TYPES) == {errors.EngineOverloadedError.error_type, errors.RequestFailedError.error_type,
+                                   errors.StepOutOfMemoryError.error_type, errors.EngineDeadError.error_type}
+    assert all(gm._label_error_type(e) == e for e in gm.ERROR_TYPES)
+
+
+def test_gauges_are_set_on_change_and_refreshed(fake_metrics):
+    m, made = fake_metrics
+    running, kv = made["glm_ray_requests_running"], made["glm_ray_kv_cache_usage_ratio"]
     for _ in range(50):
         m.on_step(3, 0, 0.5, 0, 3, 0)
-        now[0] += 0.01
-    assert len(running.calls) == 1
-    now[0] += gm.GAUGE_REFRESH_S
-    m.on_step(3, 0, 0.5, 0, 3, 0)
-    assert len(running.calls) == 2, "re-set after GAUGE_REFRESH_S so Ray does not age it out"
+    assert [v for v, _ in running.calls] == [3.0], "set once on the change, not every step"
     m.on_step(4, 0, 0.5, 0, 3, 0)
-    assert [v for v, _ in running.calls] == [3.0, 3.0, 4.0]
+    assert [v for v, _ in running.calls] == [3.0, 4.0] and [v for v, _ in kv.calls] == [0.5]
+    m.refresh_gauges()
+    assert [v for v, _ in running.calls] == [3.0, 4.0, 4.0] and [v for v, _ in kv.calls] == [0.5, 0.5]
+    assert [v for v, _ in made["glm_ray_requests_waiting"].calls] == [0.0]    # 0 since construction
+
+
+def test_keep_gauges_fresh_refreshes_on_its_period(fake_metrics):
+    import asyncio
+    m, made = fake_metrics
+    m.on_step(2, 1, 0.25, 0, 2, 0)
+    m.gauge_refresh_s = 0.01
+
+    async def run_for(seconds):
+        task = asyncio.ensure_future(m.keep_gauges_fresh())
+        await asyncio.sleep(seconds)
+        task.cancel()
+
+    asyncio.run(run_for(0.2))
+    sets = [v for v, _ in made["glm_ray_requests_running"].calls]
+    assert len(sets) >= 5 and set(sets) == {2.0}, sets
+
+
+@pytest.mark.parametrize("interval_s,want", [(10.0, 5.0), (2.0, 1.0), (1.0, 0.5)])
+def test_gauge_refresh_follows_rays_export_interval(monkeypatch, interval_s, want):
+    """Ray's agent drops a gauge not set for 2 export intervals: refresh every half interval (<= 5 s)."""
+    monkeypatch.setattr(gm, "_metric_classes", lambda backend: (_FakeCounter, _FakeGauge, _FakeHistogram))
+    monkeypatch.setattr(gm, "report_interval_s", lambda: interval_s)
+    assert gm.EngineMetrics("m", False, 1, backend="ray").gauge_refresh_s == want
+    assert gm.EngineMetrics("m", False, 1, backend="noop").gauge_refresh_s == gm.GAUGE_REFRESH_S
+
+
+def test_report_interval_is_rays():
+    ray = pytest.importorskip("ray")
+    assert gm.report_interval_s() == max(ray._config.metrics_report_interval_ms(), 1000) / 1000
 
 
 def test_numpy_values_are_converted(fake_metrics):
@@ -242,7 +304,7 @@ def test_a_failing_metric_never_breaks_the_engine(monkeypatch, caplog):
     def boom(self, value, tags=None):
         raise RuntimeError("exporter down")
 
-    monkeypatch.setattr(_Fake, "_rec", boom)
+    monkeypatch.setattr(_Fake, "_record", boom)
     monkeypatch.setattr(gm, "_metric_classes",
                         lambda backend: (_FakeCounter, _FakeGauge, _FakeHistogram))
     m = gm.EngineMetrics("glm-5", fp8_proj=True, tp=8, backend="ray")

@@ -125,3 +125,10 @@ def test_offline_bench_ab_switches_the_loop(oracle_dir):
                        kv_cache_memory_bytes=32 << 20)
     assert [r["scheduling"] for r in rows] == ["sync", "async", "async", "sync"]
     assert all(r["decode_step_ms"] > 0 and r["output_tok_s"] > 0 for r in rows)
+
+
+def test_auto_is_off_on_the_cpu(oracle_dir):
+    """The default (async_scheduling=None) turns async scheduling on only where a device runs beside the
+    host: on the CPU the host is the device, so steps run synchronously."""
+    llm = LLM(oracle_dir, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    assert llm.config.async_scheduling is None and llm.engine.async_scheduling is False

@@ -84,7 +84,7 @@ def test_graph_decode_step_waits_on_the_gpu_once(oracle_dir):
     sampling parameters, or a `.tolist()` of device tensors, would wait for the replay mid-step)."""
     import warnings
     llm = LLM(oracle_dir, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=256 << 20, max_num_seqs=8,
-              max_model_len=1024)
+              max_model_len=1024, async_scheduling=False)     # (async steps launch and collect separately)
     runner = llm.engine.executor.worker.runner
     syncs, waits, orig = [], [], runner.execute
     event_sync = torch.cuda.Event.synchronize
@@ -124,6 +124,9 @@ def test_async_scheduling_equals_sync_with_graphs(oracle_dir):
     device) == the synchronous loop: fp32, the same greedy tokens, logprobs within 1e-3."""
     torch.backends.cuda.matmul.allow_tf32 = False
     outs = []
+    auto = LLM(oracle_dir, device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_seqs=2)
+    assert auto.engine.async_scheduling                     # the default on a GPU at TP=1
+    del auto
     for async_scheduling in (False, True):
         llm = LLM(oracle_dir, device="cuda", dtype="float32", kv_cache_memory_bytes=256 << 20, max_num_seqs=8,
                   max_model_len=1024, async_scheduling=async_scheduling)

@@ -9,6 +9,7 @@ from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError, Invali
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.serve import logprobs as L
 from glm_ray.serve import protocol as P
+from glm_ray.serve import responses as R
 from glm_ray.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -235,7 +236,7 @@ def test_unsupported_features_are_rejected_not_ignored():
     assert api_error(lambda: to_sampling_params(completion(logit_bias={"5": 10}), 10)).param == "logit_bias"
     assert api_error(lambda: to_sampling_params(completion(suffix="x"), 10)).param == "suffix"
     assert api_error(to_sampling_params, completion(best_of=3), 10).param == "best_of"
-    e = api_error(lambda: to_sampling_params(chat(response_format={"type": "json_object"}), 10))
+    e = api_error(lambda: to_sampling_params(chat(response_format={"type": "xml"}), 10))
     assert e.param == "response_format"
     # harmless values pass
     to_sampling_params(completion(logit_bias={}, best_of=1, suffix=""), 10)
@@ -331,7 +332,7 @@ def test_chat_logprobs():
     assert len(e1.top_logprobs) == 2 and e1.top_logprobs[0].token == "t1"
     # top_logprobs=0 -> only the sampled token, no alternatives
     assert L.chat_logprobs([2], [{2: -0.7, 1: -0.1}], 0, FakeTok())[0].top_logprobs == []
-    d = P.ChatChoiceLogprobs(content=entries).model_dump()
+    d = R.ChatChoiceLogprobs(content=entries).model_dump()
     assert set(d["content"][0]) == {"token", "logprob", "bytes", "top_logprobs"}
 
 
@@ -347,7 +348,7 @@ def test_prompt_logprobs_format():
     assert out[2][1].decoded_token == "t1" and 7 in out[2]
     assert L.format_prompt_logprobs([1], None, 1, FakeTok()) is None
     # serializes with string keys
-    assert json.loads(json.dumps(P.CompletionResponseChoice(index=0, text="", prompt_logprobs=out).model_dump()))
+    assert json.loads(json.dumps(R.CompletionResponseChoice(index=0, text="", prompt_logprobs=out).model_dump()))
 
 
 def test_clamp_logprob():
@@ -361,38 +362,38 @@ def test_clamp_logprob():
 
 
 def test_sse_framing_and_delta():
-    chunk = P.ChatCompletionStreamResponse(
-        id="x", model="m", choices=[P.ChatCompletionStreamChoice(index=0, delta=P.DeltaMessage(content="hi"))])
-    frame = P.sse(chunk)
+    chunk = R.ChatCompletionStreamResponse(
+        id="x", model="m", choices=[R.ChatCompletionStreamChoice(index=0, delta=R.DeltaMessage(content="hi"))])
+    frame = R.sse(chunk)
     assert frame.startswith("data: ") and frame.endswith("\n\n")
     d = json.loads(frame[6:])
     assert d["object"] == "chat.completion.chunk"
     assert d["choices"][0]["delta"] == {"content": "hi"}        # no "role": null
     assert d["choices"][0]["finish_reason"] is None and "usage" in d
-    assert P.SSE_DONE == "data: [DONE]\n\n"
-    role = P.DeltaMessage(role="assistant", content="").model_dump()
+    assert R.SSE_DONE == "data: [DONE]\n\n"
+    role = R.DeltaMessage(role="assistant", content="").model_dump()
     assert role == {"role": "assistant", "content": ""}
 
 
 def test_usage_and_response_shapes():
-    u = P.UsageInfo.of(5, 7, cached_tokens=2)
+    u = R.UsageInfo.of(5, 7, cached_tokens=2)
     assert u.total_tokens == 12 and u.prompt_tokens_details.cached_tokens == 2
-    r = P.CompletionResponse(id="cmpl-1", model="m", usage=u,
-                             choices=[P.CompletionResponseChoice(index=0, text="x", finish_reason="length")])
+    r = R.CompletionResponse(id="cmpl-1", model="m", usage=u,
+                             choices=[R.CompletionResponseChoice(index=0, text="x", finish_reason="length")])
     d = r.model_dump()
     assert d["object"] == "text_completion" and isinstance(d["created"], int)
-    c = P.ChatCompletionResponse(id="c", model="m", usage=u, choices=[P.ChatCompletionResponseChoice(
-        index=0, message=P.ChatResponseMessage(content="x"), finish_reason="stop")]).model_dump()
+    c = R.ChatCompletionResponse(id="c", model="m", usage=u, choices=[R.ChatCompletionResponseChoice(
+        index=0, message=R.ChatResponseMessage(content="x"), finish_reason="stop")]).model_dump()
     assert c["object"] == "chat.completion" and c["choices"][0]["message"]["role"] == "assistant"
-    m = P.ModelList(data=[P.ModelCard(id="m", max_model_len=8)]).model_dump()
+    m = R.ModelList(data=[R.ModelCard(id="m", max_model_len=8)]).model_dump()
     assert m["object"] == "list" and m["data"][0]["object"] == "model"
-    t = P.TokenizeResponse(count=2, max_model_len=8, tokens=[1, 2]).model_dump()
+    t = R.TokenizeResponse(count=2, max_model_len=8, tokens=[1, 2]).model_dump()
     assert t == {"count": 2, "max_model_len": 8, "tokens": [1, 2], "token_strs": None}
 
 
 def test_random_ids_are_unique():
-    assert P.random_id("cmpl") != P.random_id("cmpl")
-    assert P.random_id("chatcmpl").startswith("chatcmpl-")
+    assert R.random_id("cmpl") != R.random_id("cmpl")
+    assert R.random_id("chatcmpl").startswith("chatcmpl-")
 
 
 def test_format_validation_errors():

@@ -178,31 +178,3 @@ def test_serve_deploy_running_and_answers(serve_cluster, tiny_server):
                                  {"content-type": "application/json"})
     out = json.load(urllib.request.urlopen(req, timeout=60))
     assert out["usage"]["completion_tokens"] >= 1
-
-
-def test_every_app_setting_has_a_serve_flag(monkeypatch):
-    """Each `ServeArgs` field can be set from `glm-ray serve` (engine_in_worker through --engine-in-router):
-    parse a flag for every field and check the app arguments carry it, and agree with ServeArgs' defaults
-    when no flag is given."""
-    from dataclasses import fields
-
-    from glm_ray.cli import build_parser, serve_app_args
-    monkeypatch.delenv("GLM_RAY_API_KEY", raising=False)
-    argv = ["serve", "/m", "--tp", "2", "--served-model-name", "x", "--device", "cpu", "--dtype", "float32",
-            "--load-format", "dummy", "--kernel-backend", "torch", "--fp8-proj-gemm", "--fp8-proj-min-tokens", "7",
-            "--enforce-eager", "--async-scheduling", "--engine-in-router", "--max-num-seqs", "3",
-            "--max-num-batched-tokens", "99", "--max-model-len", "512", "--block-size", "32",
-            "--gpu-memory-utilization", "0.5", "--kv-cache-memory-gb", "0.25", "--max-queued-requests", "5",
-            "--ingress-replicas", "2", "--router-cpus", "1.5", "--accelerator-type", "H200", "--api-key", "k",
-            "--trust-request-chat-template"]
-    args = serve_app_args(build_parser().parse_args(argv))
-    covered = set(args)
-    missing = {f.name for f in fields(ServeArgs)} - covered
-    assert not missing, f"ServeArgs fields without a `glm-ray serve` flag: {sorted(missing)}"
-    sa = ServeArgs.from_dict(args)
-    assert (sa.kv_cache_memory_gb, sa.max_queued_requests, sa.ingress_replicas, sa.router_cpus, sa.accelerator_type,
-            sa.engine_in_worker, sa.async_scheduling) == (0.25, 5, 2, 1.5, "H200", False, True)
-    defaults = ServeArgs.from_dict(serve_app_args(build_parser().parse_args(["serve"])))
-    for f in fields(ServeArgs):
-        if f.name not in ("model", "api_key"):
-            assert getattr(defaults, f.name) == f.default, f.name
