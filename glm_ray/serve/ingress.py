@@ -329,6 +329,8 @@ class OpenAIIngress:
         """What decoding must produce in a chat turn: with `tool_choice` "required" or a named function, a
         GLM tool call whose arguments follow the tool's schema; with a `response_format`, the format — after
         the thinking block when the turn starts inside one (GLM-5's default), so thinking stays free text."""
+        if sp.forced_token_ids:
+            return sp                  # tests only: the forced text is the output under test, unconstrained
         state = initial_state(prompt_text) if self.reasoning_parser != "none" else ANSWER
         so = sp.structured_outputs
         if tool_choice.constrained:

@@ -150,7 +150,9 @@ def test_threshold_is_configurable_from_cli_to_layer(tiny_dir, monkeypatch, spy)
     for cmd in ("serve", "generate"):
         a = build_parser().parse_args([cmd, "--fp8-proj-gemm", "--fp8-proj-min-tokens", "100"])
         assert (a.fp8_proj_gemm, a.fp8_proj_min_tokens) == (True, 100)
-    assert build_parser().parse_args(["serve"]).fp8_proj_min_tokens == 512
+    from glm_ray.serve.args import APP, ENGINE, values_from_flags
+    ns = build_parser().parse_args(["serve"])           # flags default to "not given": ServeArgs decides
+    assert ServeArgs.from_dict(values_from_flags(ns, (ENGINE, APP))).fp8_proj_min_tokens == 512
     with pytest.raises(ValueError, match="fp8_proj_min_tokens"):
         ServeArgs.from_dict({"fp8_proj_min_tokens": -1})
     with pytest.raises(ValueError, match="fp8_proj_min_tokens"):
