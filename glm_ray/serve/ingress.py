@@ -337,9 +337,12 @@ class OpenAIIngress:
             if so is not None:
                 raise bad_request("response_format cannot be combined with tool_choice 'required' or a named "
                                   "function", param="tool_choice")
-            so = glm_tool_call_structured_outputs(
-                tool_choice.schemas, tool_choice.names, tool_choice.mode, tool_choice.parallel,
-                reasoning={THINKING: "enabled", MAYBE: "auto"}.get(state, "disabled"))
+            try:
+                so = glm_tool_call_structured_outputs(
+                    tool_choice.schemas, tool_choice.names, tool_choice.mode, tool_choice.parallel,
+                    reasoning={THINKING: "enabled", MAYBE: "auto"}.get(state, "disabled"))
+            except ValueError as e:
+                raise bad_request(f"tool_choice cannot be enforced: {e}", param="tool_choice") from None
         elif so is not None and state == THINKING:
             so = dataclasses.replace(so, reasoning_end=THINK_END)
         return sp if so is sp.structured_outputs else sp.clone(structured_outputs=so)

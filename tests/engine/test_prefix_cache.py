@@ -206,9 +206,11 @@ def _served_twice(path, cache: bool, **kw):
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16}, {"async_scheduling": True}],
                          ids=["default", "chunked", "async"])
-def test_outputs_equal_with_the_cache_on_and_off(oracle_dir, kw):
-    off = _served_twice(oracle_dir, False, **kw)
-    on = _served_twice(oracle_dir, True, **kw)
+def test_outputs_equal_with_the_cache_on_and_off(tiny_dir, kw):
+    """The default tiny model (16 indexer heads: with 4, ReLU made many index scores exactly 0 and their
+    top-k ties broke differently with the batch shape, which prefix caching changes)."""
+    off = _served_twice(tiny_dir, False, **kw)
+    on = _served_twice(tiny_dir, True, **kw)
     _assert_same(on[0], off[0])
     _assert_same(on[1], off[1])
     _assert_same(off[0], off[1])                           # the oracle itself agrees across batchings
