@@ -147,8 +147,11 @@ class KVCacheManager:
         """Register the request's blocks that `num_computed` computed tokens fill (a step's results)."""
         if not self.enable_prefix_caching or req.num_registered_blocks < 0:
             return
-        bs, tokens = self.block_size, req.all_token_ids
+        bs = self.block_size
         full = min(num_computed // bs, len(req.block_ids))
+        if full <= req.num_registered_blocks:
+            return                                                # most steps: no block filled up
+        tokens = req.all_token_ids                                # (a copy of prompt + output: only when needed)
         for i in range(req.num_registered_blocks, full):
             b = req.block_ids[i]
             parent = req.block_ids[i - 1] if i else -1
