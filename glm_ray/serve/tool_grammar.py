@@ -20,10 +20,13 @@ import json
 from typing import Any, Literal, Mapping
 
 from glm_ray.engine.sampling_params import StructuredOutputsParams
+from glm_ray.serve.parsers.reasoning import END, START
+from glm_ray.serve.parsers.tool_calls import CLOSE, KEY_CLOSE, KEY_OPEN, OPEN, VALUE_CLOSE, VALUE_OPEN
 
-TOOL_CALL_BEGIN, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-THINK_BEGIN, THINK_END = "<think>", "</think>"
-ARG_MARKERS = ["<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]
+# the markup the parsers read (serve/parsers/), under the names this grammar uses
+TOOL_CALL_BEGIN, TOOL_CALL_END = OPEN, CLOSE
+THINK_BEGIN, THINK_END = START, END
+ARG_MARKERS = [KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE]
 MAX_WHITESPACE = 2
 # no markup inside free text: thinking holds no tool call; text between calls may only open a call
 REASONING_EXCLUDES = [THINK_BEGIN, THINK_END, TOOL_CALL_BEGIN, TOOL_CALL_END, *ARG_MARKERS]
