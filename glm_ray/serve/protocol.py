@@ -379,31 +379,48 @@ class UserMessage(_Message):
     content: Content
 
 
+class CalledFunction(OpenAIBaseModel):
+    """The function a previous assistant turn called: OpenAI sends `arguments` as a JSON string holding an
+    object; an object is accepted as well."""
+    name: str = Field(min_length=1)
+    arguments: Optional[Union[str, dict[str, Any]]] = None
+
+
+class AssistantToolCall(OpenAIBaseModel):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class AssistantMessage(_Message):
     """A previous model turn: content may be null (a turn that only called tools)."""
     role: Literal["assistant"]
     content: Optional[Content] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_calls: Optional[list[AssistantToolCall]] = None
     reasoning_content: Optional[str] = None
 
     def to_template_dict(self) -> dict[str, Any]:
-        """Tool calls' `arguments` as the objects chat templates iterate over (clients send OpenAI's JSON
-        string; a string that is not a JSON object is passed on as is)."""
+        """Tool calls' `arguments` as the objects chat templates iterate over (GLM-5's template renders each
+        key/value pair): a string must hold a JSON object, else 400."""
         d = super().to_template_dict()
         if self.tool_calls:
-            d["tool_calls"] = [_template_tool_call(tc) for tc in self.tool_calls]
+            d["tool_calls"] = [_template_tool_call(i, tc) for i, tc in enumerate(self.tool_calls)]
         return d
 
 
-def _template_tool_call(tc: dict[str, Any]) -> dict[str, Any]:
-    fn = tc.get("function")
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
-        return tc
-    try:
-        args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
-    except (ValueError, RecursionError):
-        return tc
-    return {**tc, "function": {**fn, "arguments": args}} if isinstance(args, dict) else tc
+def _template_tool_call(i: int, tc: AssistantToolCall) -> dict[str, Any]:
+    d = tc.model_dump(exclude_none=True)
+    args = tc.function.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except (ValueError, RecursionError):
+            args = None
+        if not isinstance(args, dict):
+            raise bad_request(f"messages: tool_calls[{i}].function.arguments must be a JSON object (as a string "
+                              f"or an object)", param="messages")
+    d["function"]["arguments"] = args or {}
+    return d
 
 
 class ToolMessage(_Message):

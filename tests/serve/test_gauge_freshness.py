@@ -24,7 +24,7 @@ class _Engine:
 
     def __init__(self):
         self.scheduler = SimpleNamespace(running=[], waiting=[])
-        self.kv = SimpleNamespace(usage=lambda: 0.1 * len(self.scheduler.running))
+        self.kv = SimpleNamespace(usage=lambda: 0.1 * len(self.scheduler.running), prefix_queries=0, prefix_hits=0)
         self.last_stats = SimpleNamespace(num_prefill_tokens=0, num_decode_seqs=0, num_preempted=0)
         self.executor = SimpleNamespace(shutdown=lambda: None)
 
@@ -99,7 +99,10 @@ def test_local_engine_publishes_the_gauges_when_aborts_empty_the_engine():
         task = asyncio.ensure_future(le.run(lambda b: seen.append((time.monotonic(), b))))
         for rid in ("a", "b"):
             le.add(rid, [1], None, 4)
+        deadline = time.monotonic() + 10
         while not any(b.running == 2 for _, b in seen):
+            assert not task.done(), f"the engine loop ended: {task.exception() if not task.cancelled() else 'cancelled'}"
+            assert time.monotonic() < deadline, f"no StepBatch with both requests running: {seen}"
             await asyncio.sleep(0.01)
         t0 = time.monotonic()
         for rid in ("a", "b"):
@@ -133,5 +136,5 @@ def test_the_router_sets_the_gauges_from_each_step_batch():
     r = Router.__new__(Router)
     r.metrics, r._streams = _Metrics(), {}
     r._on_step(StepBatch(running=0, waiting=0, kv_usage=0.0))
-    r._on_step(StepBatch(running=5, waiting=2, kv_usage=0.5, num_decode_seqs=5))
-    assert r.metrics.steps == [(0, 0, 0.0, 0, 0, 0), (5, 2, 0.5, 0, 5, 0)]
+    r._on_step(StepBatch(running=5, waiting=2, kv_usage=0.5, num_decode_seqs=5, prefix_queries=64, prefix_hits=32))
+    assert r.metrics.steps == [(0, 0, 0.0, 0, 0, 0, 0, 0), (5, 2, 0.5, 0, 5, 0, 64, 32)]

@@ -102,14 +102,31 @@ def test_chat_content_parts_are_flattened():
     r = chat(messages=[
         {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {
+            "name": "f", "arguments": '{"x": [1]}'}}]},
         {"role": "user", "content": "plain", "name": "bob"},
     ])
     msgs = r.template_messages()
     assert msgs[0] == {"role": "system", "content": "be brief"}
     assert msgs[1]["content"] == "a\nb"
-    assert msgs[2]["content"] == "" and msgs[2]["tool_calls"] == [{"id": "1"}]
+    assert msgs[2]["content"] == "" and msgs[2]["tool_calls"] == [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": {"x": [1]}}}]
     assert msgs[3] == {"role": "user", "content": "plain", "name": "bob"}
+
+
+def test_assistant_tool_calls_need_a_function_with_object_arguments():
+    def turn(*calls):
+        return chat(messages=[{"role": "user", "content": "a"},
+                              {"role": "assistant", "content": None, "tool_calls": list(calls)}]).template_messages()
+
+    assert api_error(turn, {"id": "1"}).param == "messages"                              # no function
+    assert api_error(turn, {"function": {"arguments": "{}"}}).param == "messages"        # no name
+    for bad in ("[1, 2]", "not json", '"x"'):
+        e = api_error(turn, {"function": {"name": "f", "arguments": bad}})
+        assert e.status_code == 400 and "tool_calls[0].function.arguments" in e.message
+    assert turn({"function": {"name": "f"}})[1]["tool_calls"][0]["function"]["arguments"] == {}
+    assert turn({"function": {"name": "f", "arguments": {"k": 1}}})[1]["tool_calls"][0]["function"] == {
+        "name": "f", "arguments": {"k": 1}}
 
 
 def test_chat_image_part_is_400():
