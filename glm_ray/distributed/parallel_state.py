@@ -136,3 +136,10 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _TIMER is not None:
         _TIMER.stop(t0)
     return torch.cat(parts, dim=dim)
+
+
+def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """`x` from TP rank `src` to every rank, in place (on CUDA queued on the stream: no host wait)."""
+    if _TP.size > 1:
+        dist.broadcast(x, src=src)
+    return x

@@ -40,6 +40,9 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)   # workers drop their state
     num_preempted: int = 0
+    # async scheduling at TP > 1: the next step's decode tokens are placeholders, so rank 0 broadcasts this
+    # step's sampled ids to every rank's device (ModelRunner._share_tokens)
+    share_tokens: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -125,14 +125,18 @@ class EngineCore:
         self.step_history: deque[StepStats] = deque(maxlen=2048)
         self.eos = set(self.model_cfg.eos_token_ids)
         # async scheduling: step N+1 is scheduled and launched before step N's tokens are read back
+        # (executors with launch/collect: the in-process one, and rank 0's BroadcastExecutor at TP > 1, whose
+        # ranks then receive each step's sampled ids over the TP group)
         can_launch = hasattr(executor, "launch")
-        if cfg.async_scheduling is None:          # auto: on for an in-process executor on a GPU
+        if cfg.async_scheduling is None:          # auto: on for an in-process executor on a GPU, TP = 1
             worker = getattr(executor, "worker", None)
-            self.async_scheduling = can_launch and getattr(getattr(worker, "device", None), "type", "cpu") != "cpu"
+            self.async_scheduling = (can_launch and cfg.parallel.tensor_parallel_size == 1
+                                     and getattr(getattr(worker, "device", None), "type", "cpu") != "cpu")
         else:
             self.async_scheduling = cfg.async_scheduling and can_launch
             if cfg.async_scheduling and not can_launch:
-                logger.warning("async scheduling needs an in-process executor (TP=1); steps run synchronously")
+                logger.warning("async scheduling needs the engine beside rank 0 (an in-process executor, or "
+                               "the engine loop in rank 0's actor at TP > 1); steps run synchronously")
         self.scheduler.async_mode = self.async_scheduling
         self.scheduler.max_model_len = self.max_model_len
         self._inflight: tuple[SchedulerOutput, object] | None = None      # launched, not collected
@@ -223,6 +227,7 @@ class EngineCore:
         t1 = time.perf_counter()
         launched = None
         if not sched.is_empty or sched.finished_req_ids:
+            sched.share_tokens = True
             launched = (sched, self.executor.launch(sched))
         prev, self._inflight = self._inflight, launched
         if prev is None:

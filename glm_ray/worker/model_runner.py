@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from glm_ray.config import EngineConfig, ModelConfig
-from glm_ray.distributed.parallel_state import collective_timer, tp_rank
+from glm_ray.distributed.parallel_state import broadcast, collective_timer, tp_rank, tp_size
 from glm_ray.engine.contract import ModelRunnerOutput, SchedulerOutput, StepFailure
 from glm_ray.engine.outputs import LogprobDict
 from glm_ray.engine.sampling_params import SamplingParams
@@ -197,9 +197,12 @@ class ModelRunner:
             del hidden
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the runner goes on
             self._last_rows = {}
-            return PendingStep(done=self._fail_step([s.req_id for s in seqs], e))
+            done = self._fail_step([s.req_id for s in seqs], e)
+            self._share_tokens(step, None, [])                 # the other ranks wait for this step's ids
+            return PendingStep(done=done)
         t2 = time.perf_counter()
         if tp_rank() != 0:
+            self._share_tokens(step, None, [])
             return PendingStep(done=None)
         pending = PendingStep(out=ModelRunnerOutput(prompt_logprobs=plp), t0=t0, t1=t1, t2=t2)
         sampling = [s.req_id for s in seqs if s.sample]
@@ -211,8 +214,29 @@ class ModelRunner:
                                                  for st in states):
                 self.collect(self._pending)              # their sampling reads the host's output lists
             self._launch_sample(pending, sampling, states, logits)
+        self._share_tokens(step, pending.tokens, pending.req_ids)
         self._pending = pending
         return pending
+
+    def _share_tokens(self, step: SchedulerOutput, tokens: torch.Tensor | None, req_ids: list[str]) -> None:
+        """Async scheduling at TP > 1: the next step's decode tokens are placeholders on every rank, so
+        rank 0 broadcasts the ids it sampled (`tokens` [K] for `req_ids`, K <= N sampling rows; rows that
+        failed send 0) over the TP group, queued on the device like any collective (no host wait), and
+        the other ranks keep them as their `_last_tokens`. Every rank calls this for every step it
+        launches, on every path, so the collectives pair up."""
+        sampling = [s.req_id for s in step.seqs if s.sample]
+        if not (step.share_tokens and tp_size() > 1 and sampling):
+            return
+        if tokens is not None and req_ids == sampling:
+            ids = tokens.to(torch.long)                                         # [N]
+        else:
+            ids = torch.zeros(len(sampling), dtype=torch.long, device=self.device)   # [N]
+            if tokens is not None and req_ids:
+                row = {r: i for i, r in enumerate(sampling)}
+                ids[to_device([row[r] for r in req_ids], self.device, torch.long)] = tokens.to(torch.long)
+        broadcast(ids, src=0)
+        if tp_rank() != 0:
+            self._last_tokens, self._last_rows = ids, {r: i for i, r in enumerate(sampling)}
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput | None:
         """Wait for a launched step's tokens (the one host sync of a step) and finish its output."""

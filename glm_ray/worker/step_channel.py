@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -110,6 +111,13 @@ class StepChannel:
         return union
 
 
+@dataclass
+class _Launched:
+    """A step rank 0 launched: its own pending step and the requests that failed on the other ranks."""
+    pending: object
+    remote_failures: dict[str, StepFailure]
+
+
 class BroadcastExecutor:
     """The engine's executor on rank 0 (engine-in-rank-0 mode): each step goes to the other ranks over
     the channel, runs on rank 0's own `Worker` (device, model and cache already initialized), and
@@ -128,6 +136,13 @@ class BroadcastExecutor:
         self._closed = False
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collect(self.launch(step))
+
+    # async scheduling: the engine launches step N+1 before it collects step N. The collectives keep the
+    # synchronous order on every rank (send, the step's forward, the failure exchange): the exchange
+    # needs only the forward, which `launch` has run on every rank (rank 0's own sampling failures
+    # stay on rank 0 and join in `collect`).
+    def launch(self, step: SchedulerOutput) -> _Launched:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the executor was shut down")
@@ -135,16 +150,20 @@ class BroadcastExecutor:
                 torch.cuda.set_device(self.worker.device)              # the engine loop runs on its own thread
             self.channel.send(step)
             try:
-                out = self.worker.execute(step)
+                pending = self.worker.launch(step)
             except BaseException:
                 self.channel.exchange_failures(None)                   # keep the ranks in step, then surface it
                 raise
-            out = out if out is not None else ModelRunnerOutput()
-            for rid, failure in self.channel.exchange_failures(out).items():
-                out.failed.setdefault(rid, failure)
-                out.sampled.pop(rid, None)
-                out.logprobs.pop(rid, None)
-            return out
+            return _Launched(pending, self.channel.exchange_failures(None))
+
+    def collect(self, launched: _Launched) -> ModelRunnerOutput:
+        out = self.worker.collect(launched.pending)
+        out = out if out is not None else ModelRunnerOutput()
+        for rid, failure in launched.remote_failures.items():
+            out.failed.setdefault(rid, failure)
+            out.sampled.pop(rid, None)
+            out.logprobs.pop(rid, None)
+        return out
 
     def check_health(self) -> None:
         """An empty step through the same path; raises when a rank is gone (connection closed, timeout)."""

@@ -158,6 +158,66 @@ def test_tp2_engine_in_rank0(tiny_dir, tmp_path):
     assert third["late"][0] == ref["r0"]
 
 
+# ---- async scheduling at TP=2: rank 0 broadcasts the sampled ids --------------------------------
+def _run_mixed(engine) -> dict:
+    """Greedy, seeded, penalized (its sampling reads the host's outputs) and stop-token requests; the
+    outputs by request id."""
+    reqs = {
+        "greedy": (PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)),
+        "seeded": (PROMPTS[1], SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)),
+        "penal": (PROMPTS[2], SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=6, ignore_eos=True)),
+        "n0": (PROMPTS[1], SamplingParams(temperature=0.8, seed=3, max_tokens=3, ignore_eos=True)),
+    }
+    for rid, (ids, params) in reqs.items():
+        engine.add_request(rid, ids, params)
+    got = {rid: ([], None) for rid in reqs}
+    while engine.has_unfinished():
+        for d in engine.step():
+            toks, _ = got[d.request_id]
+            got[d.request_id] = (toks + d.new_token_ids, d.finish_reason)
+    return got
+
+
+def _async_rank(rank: int, init_method: str, path: str):
+    from glm_ray.config import make_engine_config  # noqa: PLC0415 - imported in the spawned rank
+    from glm_ray.engine.engine_core import EngineCore  # noqa: PLC0415
+    from glm_ray.worker.step_channel import BroadcastExecutor, StepChannel, follow  # noqa: PLC0415
+    from glm_ray.worker.worker import Worker  # noqa: PLC0415
+
+    cfg = make_engine_config(path, tensor_parallel_size=2, device="cpu", dtype="float32",
+                             kv_cache_memory_bytes=8 * 2**20, max_num_seqs=8, async_scheduling=True)
+    worker = Worker(cfg, rank, init_method=init_method)
+    worker.init_device()
+    worker.load_model()
+    worker.init_cache(worker.determine_num_blocks())
+    channel = StepChannel()
+    if rank == 1:
+        follow(worker, channel)
+        return "follower returned"
+    ex = BroadcastExecutor(worker, channel)
+    engine = EngineCore(cfg, ex, tokenizer=None)
+    assert engine.async_scheduling, "TP=2 with the engine beside rank 0 launches steps asynchronously"
+    runs = {}
+    for mode in ("async", "sync", "async"):
+        assert engine.set_async_scheduling(mode == "async") == (mode == "async")
+        runs.setdefault(mode, []).append(_run_mixed(engine))
+    ex.shutdown()
+    return runs
+
+
+def test_tp2_async_scheduling_equals_sync(tiny_dir, tmp_path):
+    """Async scheduling at TP=2 (ranks receive the sampled ids over the TP group) returns exactly what the
+    synchronous loop returns: greedy, seeded, penalties, several requests joining and finishing."""
+    codes, results = _spawn_pair(_async_rank, tmp_path, tiny_dir, wait_s=120.0)
+    for r in (0, 1):
+        assert r in results and results[r][0] == "ok", results.get(r)
+    assert codes == [0, 0]
+    runs = results[0][1]
+    sync = runs["sync"][0]
+    assert all(len(toks) == {"greedy": 8, "seeded": 8, "penal": 6, "n0": 3}[rid] for rid, (toks, _) in sync.items())
+    assert runs["async"][0] == sync and runs["async"][1] == sync
+
+
 # ---- stand-in worker: the wire, the stop, a killed follower -------------------------------------
 class _Recorder:
     """A worker without a model: remembers what it ran; rank 0 "samples" 7 for every sequence, rank 1
@@ -172,6 +232,12 @@ class _Recorder:
             return ModelRunnerOutput(sampled={s.req_id: 7 for s in step.seqs})
         failed = {s.req_id: StepFailure("oom", "rank 1") for s in step.seqs if s.req_id == "fail-me"}
         return ModelRunnerOutput(failed=failed) if failed else None
+
+    def launch(self, step: SchedulerOutput):              # rank 0's executor launches, then collects
+        return self.execute(step)
+
+    def collect(self, pending):
+        return pending
 
 
 def _big_step() -> SchedulerOutput:
