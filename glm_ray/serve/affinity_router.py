@@ -21,8 +21,13 @@ Per call method (`pending_request.metadata.call_method`):
 - anything else (`get_model_info`, `check_engine`, `stats`): two random replicas, the shorter queue wins
   (Serve's power of two choices).
 
-No FIFO mixin: Serve then hands a chosen replica to exactly the request it was chosen for (FIFO would give
-it to the oldest pending request, whatever its prefix).
+No FIFO mixin: a chosen replica goes to exactly the request it was chosen for (FIFO would give it to the
+oldest pending request, whatever its prefix). Serve's base class finds that request by its
+`internal_request_id`, which the calls of one HTTP request share (Serve copies it from the ingress's request
+context: n > 1 and several prompts fan out into several `generate` calls), so its lookup handed one
+sub-request's replica to a sibling and left the other waiting forever. `_fulfill_next_pending_request`
+matches the routing task's own request (its metadata object) instead, and the router's own records are
+keyed by the engine request id, which is unique per call.
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.index = PrefixIndex(self.cfg.block_size, self.cfg.max_blocks_per_replica)
         self.decisions: Counter[str] = Counter()         # Decision.reason -> count (logs, tests)
         self._placed: OrderedDict[str, ReplicaID] = OrderedDict()        # request_id -> replica
-        self._chosen: OrderedDict[str, tuple[ReplicaID, list[int]]] = OrderedDict()   # internal id -> (replica, hashes)
+        self._chosen: OrderedDict[str, tuple[ReplicaID, list[int]]] = OrderedDict()   # request id -> (replica, hashes)
         self._rng = random.Random()
         logger.info("prefix-affinity routing for %s: %s", self._deployment_id, self.cfg)
 
@@ -72,15 +77,28 @@ class PrefixAffinityRouter(RequestRouter):
         return [self._two_random(candidate_replicas)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        chosen = self._chosen.pop(pending_request.metadata.internal_request_id, None)
+        call = _generate_call(pending_request) if pending_request.metadata.call_method == "generate" else None
+        chosen = self._chosen.pop(call[0], None) if call is not None else None
         if chosen is None:
             return
         replica, hashes = chosen
         if replica != replica_id:                    # the chosen replica refused; another one took it
             self.index.insert(hashes, replica_id)
-            rid = _first_arg(pending_request, "request_id")
-            if isinstance(rid, str):
-                self._remember(rid, replica_id)
+            self._remember(call[0], replica_id)
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        """Give `replica` to the request it was chosen for: the pending request whose metadata object is
+        `request_metadata` (the routing task's own; see the module docstring for why not Serve's lookup
+        by internal id). Requests whose future is done (cancelled) are passed over."""
+        for pr in self._pending_requests_to_fulfill:         # pending requests in arrival order, lazily cleaned
+            if pr.metadata is request_metadata:
+                if not pr.future.done():
+                    self._cancel_routing_task_for_pending_request(pr)
+                    self._record_queue_wait_time(pr)
+                    pr.future.set_result(replica)
+                    self._remove_pending_request_from_indices(pr)
+                return
+        super()._fulfill_next_pending_request(replica, request_metadata)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -99,7 +117,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.decisions[d.reason] += 1
         self.index.insert(hashes, d.replica)
         self._remember(rid, d.replica)
-        self._chosen[pr.metadata.internal_request_id] = (d.replica, hashes)
+        self._chosen[rid] = (d.replica, hashes)
         while len(self._chosen) > MAX_PLACEMENTS:           # requests cancelled before they were routed
             self._chosen.popitem(last=False)
         logger.debug("route %s (%d prompt tokens): %s, matched %d", rid, len(prompt), d.reason, d.matched_tokens)

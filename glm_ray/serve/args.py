@@ -145,8 +145,7 @@ class ServeArgs:
         1, "Router replicas: model instances, each with its own GPUs and KV cache (a serve config's Router "
            "deployment num_replicas / autoscaling_config overrides it)", scope=APP)
     request_router: str = setting(
-        "power_of_two", "how the ingress picks a Router replica: prefix_affinity (opt-in: concurrent requests from "
-                        "one ingress stalled under it in CI, see README) = the one holding the longest "
+        "prefix_affinity", "how the ingress picks a Router replica: prefix_affinity = the one holding the longest "
                            "prefix of the prompt that the ingress sent before (its KV blocks are likely cached "
                            "there), else the less loaded of two; power_of_two = Serve's default (the less loaded "
                            "of two random replicas)", scope=APP, choices=REQUEST_ROUTERS)

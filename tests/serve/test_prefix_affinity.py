@@ -243,13 +243,14 @@ def _router(**kw):
     return r
 
 
-def _request(method, *args):
+def _request(method, *args, internal_id=None):
     import uuid
 
     from ray.serve._private.common import RequestMetadata
     from ray.serve.request_router import PendingRequest
     return PendingRequest(args=list(args), kwargs={},
-                          metadata=RequestMetadata(request_id=str(uuid.uuid4()), internal_request_id=uuid.uuid4().hex,
+                          metadata=RequestMetadata(request_id=str(uuid.uuid4()),
+                                                   internal_request_id=internal_id or uuid.uuid4().hex,
                                                    call_method=method))
 
 
@@ -315,6 +316,30 @@ def test_a_refused_choice_records_the_replica_that_took_it():
         router.on_request_routed(pr, took.replica_id, None)           # Serve fell to the second rank
         assert router.index.match(router.index.block_hashes(prompt), [took.replica_id])[0] == 10
         assert (await _route(router, "abort", "r0")) is took
+    asyncio.run(main())
+
+
+def test_sub_requests_of_one_http_request_are_each_routed():
+    """The calls one HTTP request makes (n > 1, several prompts) carry the same `internal_request_id` (Serve
+    takes it from the ingress's request context) and are routed concurrently: each gets its own replica,
+    and each one's placement is what its own decision chose (found by the fuzz test: with Serve's lookup
+    by internal id the second sub-request was never routed)."""
+    async def main():
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router = _router()
+        router.update_replicas([a, b])
+        shared = "http-request-1"
+        prompts = {f"sub{i}": [i] * 8 + list(range(200, 232)) for i in range(6)}
+        prs = {rid: _request("generate", rid, p, None, internal_id=shared) for rid, p in prompts.items()}
+        got = await asyncio.wait_for(asyncio.gather(*(router._choose_replica_for_request(pr) for pr in prs.values())),
+                                     10)
+        for (rid, pr), replica in zip(prs.items(), got):
+            router.on_send_request(replica.replica_id)
+            router.on_request_routed(pr, replica.replica_id, None)
+            assert router._placed[rid] == replica.replica_id            # its own decision's replica
+        # and each prompt's prefix now points at the replica its sub-request went to
+        for (rid, p), replica in zip(prompts.items(), got):
+            assert (await _route(router, "generate", rid + "-again", p + [5] * 8, None)) is replica
     asyncio.run(main())
 
 
