@@ -329,14 +329,14 @@ class OpenAIIngress:
         """What decoding must produce in a chat turn: with `tool_choice` "required" or a named function, a
         GLM tool call whose arguments follow the tool's schema; with a `response_format`, the format — after
         the thinking block when the turn starts inside one (GLM-5's default), so thinking stays free text."""
-        if sp.forced_token_ids:
-            return sp                  # tests only: the forced text is the output under test, unconstrained
         state = initial_state(prompt_text) if self.reasoning_parser != "none" else ANSWER
         so = sp.structured_outputs
         if tool_choice.constrained:
             if so is not None:
                 raise bad_request("response_format cannot be combined with tool_choice 'required' or a named "
                                   "function", param="tool_choice")
+            if sp.forced_token_ids:
+                return sp              # tests only: the forced tool call is the output under test, unconstrained
             try:
                 so = glm_tool_call_structured_outputs(
                     tool_choice.schemas, tool_choice.names, tool_choice.mode, tool_choice.parallel,

@@ -53,10 +53,13 @@ TABLE = [
      "<arg_value>true</arg_value><arg_key>unit</arg_key><arg_value>C</arg_value><arg_key>limit</arg_key>"
      "<arg_value>7</arg_value><arg_key>note</arg_key><arg_value>null</arg_value></tool_call>", "",
      [("get_weather", {"temp": 2.5, "metric": True, "unit": "C", "limit": 7, "note": None})]),
-    # a string parameter keeps digits, quotes, newlines and markup-like text as written
+    # a string parameter keeps digits, quotes, newlines and markup-like text as written, but not the
+    # whitespace around it (as a non-string value; the tool-call grammar admits some there)
     ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>42</arg_value><arg_key>when</arg_key>"
-     "<arg_value> \"2024-06-27\"\n<b></arg_value></tool_call>", "",
-     [("get_weather", {"city": "42", "when": " \"2024-06-27\"\n<b>"})]),
+     "<arg_value> \"2024-06-27\"\n\n<b>\r\n </arg_value></tool_call>", "",
+     [("get_weather", {"city": "42", "when": "\"2024-06-27\"\n\n<b>"})]),
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>\r\t  </arg_value></tool_call>", "",
+     [("get_weather", {"city": ""})]),
     # nested JSON values (objects, arrays), Python literals as a fallback, unicode
     ("<tool_call>get_weather<arg_key>opts</arg_key><arg_value>{\"a\": [1, {\"b\": null}], \"c\": \"<x>\"}"
      "</arg_value><arg_key>tags</arg_key><arg_value>['晴', 2]</arg_value><arg_key>city</arg_key>"

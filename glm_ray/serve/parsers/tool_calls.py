@@ -210,6 +210,7 @@ class ToolCallParser:
         self._types: set[str] | None = None
         self._skip = False               # this value is not reported (a repeated key / a dropped call)
         self._streaming = False          # a string value being streamed
+        self._value_started = False      # a non-whitespace character of the streamed value was sent
 
     @property
     def called(self) -> bool:
@@ -326,10 +327,16 @@ class ToolCallParser:
         # VALUE
         i = buf.find(VALUE_CLOSE)
         if i < 0:
-            if self._streaming:
-                keep = partial_tag(buf, VALUE_CLOSE)
-                self._args(out, _escaped(buf[:len(buf) - keep]))
-                self.buf = buf[len(buf) - keep:]
+            if self._streaming:                  # whitespace around the value is not part of it (as
+                keep = partial_tag(buf, VALUE_CLOSE)      # `coerce_argument`): leading dropped, trailing
+                body = buf[:len(buf) - keep]              # held back until more text follows it
+                if not self._value_started:
+                    body = body.lstrip()
+                send = body.rstrip()
+                if send:
+                    self._value_started = True
+                    self._args(out, _escaped(send))
+                self.buf = body[len(send):] + buf[len(buf) - keep:]
             return False
         self.buf = buf[i + len(VALUE_CLOSE):]
         self._end_value(out, buf[:i])
@@ -365,13 +372,14 @@ class ToolCallParser:
         schema = property_schema(params, self._key)
         self._types = schema_types(schema, params) if schema is not None else None
         self._streaming = self._types == {"string"} and not self._skip
+        self._value_started = False
         if self._streaming:
             self._args(out, self._arg_prefix() + '"')
             self._keys.add(self._key)
 
     def _end_value(self, out: list[Event], raw: str) -> None:
         if self._streaming:
-            self._args(out, _escaped(raw) + '"')
+            self._args(out, _escaped(raw.rstrip() if self._value_started else raw.strip()) + '"')
             self._streaming = False
             return
         if self._skip:
