@@ -1,28 +1,46 @@
-"""Bandwidth benchmark of the decode attention kernel: the `cuda` backend's Triton paged MLA decode
-(`kernels/cuda/mla_decode.py`, absorbed form) against the torch reference (`torch_ref.attention.
-mla_decode`, gather + SDPA) at GLM-5 shapes (r = 512, dr = 64), bf16.
+"""Benchmarks of the attention kernels of the `cuda` backend at GLM-5 shapes, bf16, each against the
+torch reference (`torch_ref.attention`) at the same shape.
 
     python -m glm_ray.bench.attention [--heads 16 32 64] [--batch 1 8 32 64] [--json PATH]
+    python -m glm_ray.bench.attention --mode prefill [--heads 8 32 64] [--prefill-shapes 1x1024 8x1024 1x8192 4x8192]
 
-Per (h, B, context) dense, and sparse (DSA, K = 2048 indices) at 8k / 32k: the median time of a
-CUDA-graph replay (decode runs under graphs; eager timing of a ~10 us kernel measures the host's
-launch cost instead) with the L2 flushed before each (`triton.testing.do_bench`, else CUDA events),
-the bytes the kernel must read (B * keys * D * 2 for the cache rows + q in + o_lat out), the achieved
-TB/s and its ratio to the copy rate measured on the H200 (4.2 TB/s, bytes read + written by a
-device-to-device copy), and the reference's time at the same shape (skipped where its one-shot
-gather + scores would exceed 1 GiB; timed eagerly, host cost included). Decode MLA at h = 64 needs
-121 FLOP per cache byte, so the tflops column is printed too.
+`--mode decode` (default): bandwidth of the Triton paged MLA decode (`kernels/cuda/mla_decode.py`,
+absorbed form; r = 512, dr = 64). Per (h, B, context) dense, and sparse (DSA, K = 2048 indices) at 8k /
+32k: the median time of a CUDA-graph replay (decode runs under graphs; eager timing of a ~10 us kernel
+measures the host's launch cost instead) with the L2 flushed before each (`triton.testing.do_bench`,
+else CUDA events), the bytes the kernel must read (B * keys * D * 2 for the cache rows + q in + o_lat
+out), the achieved TB/s and its ratio to the copy rate measured on the H200 (4.2 TB/s, bytes read +
+written by a device-to-device copy), and the reference's time at the same shape (skipped where its
+one-shot gather + scores would exceed 1 GiB; timed eagerly, host cost included). Decode MLA at h = 64
+needs 121 FLOP per cache byte, so the tflops column is printed too.
+
+`--mode prefill`: the Triton MLA prefill (`kernels/cuda/mla_prefill.py`, naive form) through
+`mla_prefill_group` as the `mla_prefill` op runs it (gather + kv_b expansion + attention kernel, the
+group's plan built once as for the layers of a step; max_bytes = the layer's 1 GiB) on B fresh prompts
+of L tokens (`--prefix P`: after P cached tokens each), dense causal, and DSA-sparse (top-2048 of
+random causal scores) where the context exceeds 2048. Timed eagerly (prefill runs outside CUDA graphs),
+L2 flushed. Columns: `us` the whole op; `expand_us` the gather + kv_b GEMM alone (a bf16 F.linear),
+`attn_us` = us - expand_us; `tflops` = (attention + expansion FLOPs) / us; `attn_tflops` = attention
+FLOPs / attn_us, with attention FLOPs = 2 * h * (dqk + dv) per causal (query, key) pair — the work the
+kernel's MMAs do in both modes (a sparse tile is skipped only when no query of it picked a key), so
+sparse rows count the same FLOPs as dense; `peak_ratio` = attn_tflops / 989, the H200 SXM datasheet
+dense BF16 peak (no sparsity). `--config BM BN WARPS STAGES` times
+one kernel config instead of the table's (tuning).
 """
 from __future__ import annotations
 
 import argparse
 
 import torch
+import torch.nn.functional as F
 
 from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.forward_batch import build_forward_batch
 from glm_ray.kernels.cuda.mla_decode import default_num_splits, mla_decode_paged
+from glm_ray.kernels.cuda.mla_prefill import mla_prefill_group
+from glm_ray.kernels.torch_ref.attention import ATTN_BYTES
 from glm_ray.kernels.torch_ref.attention import mla_decode as ref_mla_decode
+from glm_ray.kernels.torch_ref.attention import mla_prefill as ref_mla_prefill
 
 try:
     from triton.testing import do_bench
@@ -34,6 +52,8 @@ R, DR = 512, 64
 D = R + DR
 SPARSE_K = 2048
 REF_MAX_BYTES = 1 << 30
+PEAK_BF16_TFLOPS = 989.0             # H200 SXM datasheet, dense BF16 (no sparsity)
+PREFILL_DIMS = {"glm5": (192, 64, 256), "glm53": (256, 0, 256)}   # (qk_nope, qk_rope, v): GLM-5 / 5.3-Flash
 
 
 def _graphed(fn):
@@ -126,8 +146,92 @@ def run(heads: list[int], batches: list[int], contexts: list[int], sparse_contex
 COLS = ["h", "B", "context", "mode", "splits", "us", "MB", "TB_s", "copy_ratio", "tflops", "ref_us", "speedup"]
 
 
+# --------------------------------------------------------------------------------------------
+# prefill
+# --------------------------------------------------------------------------------------------
+
+def _prefill_case(h: int, B: int, L: int, prefix: int, dims: tuple[int, int, int], block_size: int, sparse: bool,
+                  dev: torch.device, g: torch.Generator):
+    """q [B*L, h, dn+dr], cache, kv_b weight, the one prefill group of the step, and the DSA selection."""
+    dn, dr, dv = dims
+    ctx = prefix + L
+    nb = -(-ctx // block_size)
+    tables = torch.randperm(B * nb, generator=g).view(B, nb).tolist()        # shuffled blocks
+    groups = build_forward_batch([L] * B, [ctx] * B, tables, block_size, dev).groups
+    assert len(groups) == 1                                                 # equal lengths: one bucket
+    grp = groups[0]
+    q = torch.randn(B * L, h, dn + dr, device=dev, dtype=torch.bfloat16)
+    cache = torch.randn(B * nb * block_size, R + dr, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(h * (dn + dv), R, device=dev, dtype=torch.bfloat16) * R ** -0.5
+    sel = None
+    if sparse:                                                              # top-k of random causal scores
+        scores = torch.rand(grp.causal.shape, device=dev).masked_fill_(~grp.causal, float("-inf"))
+        v, i = scores.topk(min(SPARSE_K, ctx), dim=-1)
+        sel = torch.where(v == float("-inf"), -1, i).to(torch.int32)        # [B, L, k]
+        del scores, v, i
+    return q, cache, w, grp, sel
+
+
+def _measure_prefill(h: int, B: int, L: int, prefix: int, dims: tuple[int, int, int], sparse: bool,
+                     block_size: int, iters: int, reference: bool, config, g: torch.Generator) -> dict:
+    dev = torch.device("cuda")
+    dn, dr, dv = dims
+    q, cache, w, grp, sel = _prefill_case(h, B, L, prefix, dims, block_size, sparse, dev, g)
+    scale = (dn + dr) ** -0.5
+    kw = dict(kv_lora_rank=R, v_head_dim=dv, scale=scale)
+    def kv_b(x):
+        return F.linear(x, w)
+    ms = _time_ms(lambda: mla_prefill_group(q, cache, grp, sel, kv_b, max_bytes=ATTN_BYTES, config=config, **kw),
+                  iters, graph=False)
+    ctx = prefix + L
+    slots = grp.kv_slots.reshape(-1)                                        # [B * ctx]: the packed rows here
+    expand_ms = _time_ms(lambda: kv_b(cache[slots][:, :R]), iters, graph=False)
+    pairs = B * (L * prefix + L * (L + 1) // 2)                             # causal (query, key) pairs
+    attn_flop = 2 * pairs * h * (dn + dr + dv)
+    expand_flop = 2 * B * ctx * R * h * (dn + dv)
+    attn_ms = max(ms - expand_ms, 1e-6)
+    row = {"h": h, "B": B, "L": L, "prefix": prefix, "mode": "sparse" if sparse else "dense", "us": ms * 1e3,
+           "expand_us": expand_ms * 1e3, "attn_us": attn_ms * 1e3,
+           "tflops": (attn_flop + expand_flop) / ms / 1e9, "attn_tflops": attn_flop / attn_ms / 1e9}
+    row["peak_ratio"] = row["attn_tflops"] / PEAK_BF16_TFLOPS
+    row["ref_us"] = float("nan")
+    if reference:
+        row["ref_us"] = _time_ms(lambda: ref_mla_prefill(q, cache, grp, sel, kv_b, max_bytes=REF_MAX_BYTES, **kw),
+                                 max(3, iters // 10), graph=False) * 1e3
+    row["speedup"] = row["ref_us"] / row["us"]
+    return row
+
+
+@torch.inference_mode()
+def run_prefill(heads: list[int], shapes: list[tuple[int, int]], prefix: int, dims: tuple[int, int, int],
+                block_size: int, iters: int, reference: bool, config) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for h in heads:
+        n0 = len(rows)
+        for B, L in shapes:
+            for sparse in (False, True) if prefix + L > SPARSE_K else (False,):
+                rows.append(_measure_prefill(h, B, L, prefix, dims, sparse, block_size, iters, reference, config, g))
+        print_rows(rows[n0:], PREFILL_COLS, width=11)                       # one table per head count
+        print(flush=True)
+    return rows
+
+
+PREFILL_COLS = ["h", "B", "L", "prefix", "mode", "us", "expand_us", "attn_us", "tflops", "attn_tflops", "peak_ratio",
+                "ref_us", "speedup"]
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        b, n = text.lower().split("x")
+        return int(b), int(n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BxL, e.g. 4x8192") from None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["decode", "prefill"], default="decode", help="which kernel to time")
     p.add_argument("--heads", type=int, nargs="+", default=[16, 32, 64], help="query heads per rank (h)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64], help="decode sequences (B)")
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768], help="dense context lengths")
@@ -135,12 +239,23 @@ def main(argv=None) -> int:
                    help=f"context lengths of the sparse (K={SPARSE_K}) rows")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--prefill-shapes", type=_shape, nargs="+", default=[(1, 1024), (8, 1024), (1, 8192), (4, 8192)],
+                   metavar="BxL", help="prefill mode: B fresh prompts of L tokens each")
+    p.add_argument("--prefix", type=int, default=0, help="prefill mode: cached tokens before each prompt")
+    p.add_argument("--prefill-dims", choices=list(PREFILL_DIMS), default="glm5",
+                   help="prefill mode: head dims, glm5 = qk 192+64 / v 256, glm53 = NoPE qk 256 / v 256")
+    p.add_argument("--config", type=int, nargs=4, default=None, metavar=("BM", "BN", "WARPS", "STAGES"),
+                   help="prefill mode: one kernel config instead of the table's")
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference timings")
     p.add_argument("--json", default=None, help="also append the rows to this JSONL file")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("glm_ray.bench.attention needs a CUDA GPU")
-    rows = run(a.heads, a.batch, a.contexts, a.sparse_contexts, a.block_size, a.iters, not a.no_reference)
+    if a.mode == "prefill":
+        rows = run_prefill(a.heads, a.prefill_shapes, a.prefix, PREFILL_DIMS[a.prefill_dims], a.block_size, a.iters,
+                           not a.no_reference, tuple(a.config) if a.config else None)
+    else:
+        rows = run(a.heads, a.batch, a.contexts, a.sparse_contexts, a.block_size, a.iters, not a.no_reference)
     append_rows(a.json, rows)
     return 0
 

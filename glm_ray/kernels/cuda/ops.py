@@ -37,9 +37,11 @@
 * rms_norm (with the optional fused residual add): one Triton launch (norm.py). Reference when: not CUDA,
   sm < 80, x not bf16/fp16 (fp32 runs are test configurations and get the exact reference), weight or
   residual dtype != x's, D > 8192.
-* mla_prefill, indexer_kpool_topk, causal_conv1d, kda_chunked, swiglu: inherited from torch (masked SDPA
-  over the group's gathered view — pinned to the mem-efficient / math SDPA backends on a GPU by the
-  reference itself —, tiled top-k, chunked KDA).
+* mla_prefill: the Triton varlen flash-attention kernel (mla_prefill.py: context latents gathered through
+  the block table and expanded once with kv_b, packed queries, causal with the prefix offset) dense or
+  over the DSA top-k positions (a per-query bitmap). Reference when: not CUDA, sm < 80, not bf16/fp16,
+  cache dtype != q's, a bool-mask selection (the k-pool indexer), qk_nope_head_dim < 16.
+* indexer_kpool_topk, causal_conv1d, kda_chunked, swiglu: inherited from torch (tiled top-k, chunked KDA).
 * Any kernel exception (e.g. a Triton compile error on an untested GPU/Triton pair) marks that op
   broken for the process: logged with its traceback, reference from then on (`_guarded`).
 gate_mode must be "separated" everywhere (the torch contract check raises otherwise).
@@ -426,6 +428,23 @@ class CudaKernels:
                                     kv_lora_rank=kv_lora_rank, scale=scale, indices=idx)   # [B, h, r]
         return self._guarded("mla_decode", fast, slow)
 
+    def mla_prefill(self, q, kv_cache, group, selection, kv_b, *, kv_lora_rank: int, v_head_dim: int, scale: float,
+                    max_bytes: int = ref_attention.ATTN_BYTES):
+        kw = dict(kv_lora_rank=kv_lora_rank, v_head_dim=v_head_dim, scale=scale, max_bytes=max_bytes)
+        def slow():
+            return ref_attention.mla_prefill(q, kv_cache, group, selection, kv_b, **kw)
+        dn = q.shape[-1] - (kv_cache.shape[-1] - kv_lora_rank)
+        reason = (self._gpu_reason(q, 80, need_triton=True)
+                  or (f"dtype {q.dtype} (bf16/fp16 kernel)" if q.dtype not in HALF_DTYPES else None)
+                  or (f"cache dtype {kv_cache.dtype} != {q.dtype}" if kv_cache.dtype != q.dtype else None)
+                  or ("a bool-mask selection" if selection is not None and selection.dtype == torch.bool else None)
+                  or (f"qk_nope_head_dim {dn} < 16" if dn < 16 else None))
+        if reason is not None:
+            self._fallback("mla_prefill", reason)
+            return slow()
+        from glm_ray.kernels.cuda.mla_prefill import mla_prefill_group  # noqa: PLC0415 (imports triton)
+        return self._guarded("mla_prefill", lambda: mla_prefill_group(q, kv_cache, group, selection, kv_b, **kw), slow)
+
     def indexer_topk(self, qi, w, key_cache, group, topk: int, *, max_bytes: int = ref_indexer.SCORE_BYTES):
         def slow():
             return ref_indexer.indexer_topk(qi, w, key_cache, group, topk, max_bytes=max_bytes)
@@ -504,5 +523,6 @@ def make_ops(fp8_gemm: str | None = None):
                      block_fp8_linear_prepare=k.block_fp8_linear_prepare, fused_moe_block_fp8=k.fused_moe_block_fp8,
                      fused_moe_mxfp4=k.fused_moe_mxfp4, mxfp4_linear=k.mxfp4_linear,
                      mhc_coefficients=k.mhc_coefficients, kda_decode=k.kda_decode, mla_decode=k.mla_decode,
-                     indexer_topk=k.indexer_topk, moe_routing=k.moe_routing, rms_norm=k.rms_norm,
+                     mla_prefill=k.mla_prefill, indexer_topk=k.indexer_topk, moe_routing=k.moe_routing,
+                     rms_norm=k.rms_norm,
                      mla_kv_write=k.mla_kv_write, indexer_key_write=k.indexer_key_write)
