@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The H200 measurements the open issues still owe, in one device call (<= 600 s each PART):
+#   PART=tests    GPU tests not yet run on a GPU: CUDA graphs (sync count, async auto) and the Triton MLA
+#                 prefill (#18/#19/#20)
+#   PART=prefill  bench.attention --mode prefill: the Triton MLA prefill vs its FLOP floor (#20 measure 1)
+#   PART=grammar  bench.structured on glm5-flash-31b FP8 dummy: 0/16/64 constrained of 64 (#21 measure)
+#   PART=all      tests, prefill, grammar
+# The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
+# scripts/device_h200_served.sh with the wheels of the README's "GPU machine" section.
+set -uo pipefail
+source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; PART=${PART:-all}
+if [ $PART = all ] || [ $PART = tests ]; then
+  echo "== gpu tests" >> $S
+  for f in ${TESTS:-tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_mla_prefill.py}; do
+    timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider $f > $OUT/t.log 2>&1
+    echo "$(basename $f) rc=$? $(tail -1 $OUT/t.log)" >> $S
+    grep -E "^(FAILED|ERROR|E  )" $OUT/t.log | cut -c1-300 | head -30 >> $S; cat $OUT/t.log >> $OUT/gpu_tests.log
+  done; rm -f $OUT/t.log
+fi
+if [ $PART = all ] || [ $PART = prefill ]; then
+  echo "== bench.attention --mode prefill" >> $S
+  timeout ${PREFILL_LIM:-200} python3 -m glm_ray.bench.attention --mode prefill --heads 32 64 \
+     --json $OUT/prefill_attention.jsonl > $OUT/prefill_attention.log 2>&1; echo "rc=$?" >> $S
+  grep -vE "INFO|WARNING" $OUT/prefill_attention.log | tail -40 >> $S
+fi
+if [ $PART = all ] || [ $PART = grammar ]; then
+  echo "== bench.structured glm5-flash-31b fp8 dummy" >> $S
+  timeout ${GRAMMAR_LIM:-240} python3 -m glm_ray.bench.structured glm5-flash-31b --load-format dummy --quant fp8 \
+     --device cuda --scheduling sync async --json $OUT/structured.jsonl > $OUT/structured.log 2>&1; echo "rc=$?" >> $S
+  grep -vE "INFO|WARNING|shards" $OUT/structured.log | tail -20 >> $S
+fi
+cat $S
