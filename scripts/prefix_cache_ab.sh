@@ -17,21 +17,18 @@ for mode in on off; do
   for i in $(seq 1 150); do curl -sf 127.0.0.1:$PORT/v1/models > /dev/null && break; sleep 2; done
   glm-ray bench --base-url http://127.0.0.1:$PORT --dataset-name generated-shared-prefix $GSP \
      --max-concurrency $C --tag prefix_cache=$mode --output-file $OUT/gsp_$mode.jsonl --no-progress > $OUT/bench_$mode.txt 2>&1
-  python3 - "$PORT" > $OUT/stats_$mode.json <<'PY'
-import json, sys, ray
-from ray import serve
-ray.init(address="auto", logging_level="ERROR")
-print(json.dumps(serve.get_deployment_handle("Router", app_name="glm-ray").stats.remote().result().get("prefix_cache")))
-PY
+  sleep 12       # one metrics export interval of Ray's, then the replica's prefix-cache counters
+  curl -s 127.0.0.1:$((PORT + 1))/metrics | grep -E '^ray_glm_ray_prefix_cache_(queries|hits)_total' > $OUT/stats_$mode.prom
   kill $server; wait $server 2>/dev/null; ray stop --force > /dev/null 2>&1; sleep 2
 done
 python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
 r = {m: json.loads(open(f"{out}/gsp_{m}.jsonl").read().splitlines()[-1]) for m in ("on", "off")}
-st = json.loads(open(f"{out}/stats_on.json").read() or "null") or {}
-hit = st.get("hits", 0) / max(st.get("queries", 1), 1)
-print(f"prefix cache hit rate (on): {hit:.3f}  ({st})")
+def total(name):
+    return sum(float(line.rsplit(" ", 1)[1]) for line in open(f"{out}/stats_on.prom") if line.startswith(name))
+q, h = total("ray_glm_ray_prefix_cache_queries_total"), total("ray_glm_ray_prefix_cache_hits_total")
+print(f"prefix cache hit rate (on): {h / max(q, 1):.3f}  (hits {h:.0f} / queries {q:.0f} prompt tokens)")
 for k in ("mean_ttft_ms", "median_ttft_ms", "mean_e2e_latency_ms", "output_throughput", "request_throughput"):
     a, b = r["on"].get(k), r["off"].get(k)
     if a and b:
