@@ -24,16 +24,5 @@ timeout ${OFF_LIM:-200} python3 -m glm_ray.bench.offline "$MDIR" --load-format d
    --batch 1 16 64 --input-len 1024 --output-len 256 --scheduling $SCHED --kv-cache-memory-bytes $((24 << 30)) \
    --json $OUT/offline_$SCHED.jsonl > $OUT/offline_$SCHED.log 2>&1; echo "offline rc=$?" >> $S
 grep -vE "INFO|WARNING|shards" $OUT/offline_$SCHED.log | tail -8 >> $S
-python3 - <<PY >> $S 2>&1
-import json
-served = [json.loads(l) for l in open("$OUT/served_$SCHED.jsonl")]
-off = {r["batch"]: r for r in map(json.loads, open("$OUT/offline_$SCHED.jsonl"))}
-for r in served:
-    c, itl, med = r.get("max_concurrency"), r.get("mean_itl_ms"), r.get("median_itl_ms")
-    o = off.get(c)
-    if o and itl:
-        step = o["decode_step_ms"]
-        print(f"C={c}: served ITL mean {itl:.2f} / median {med:.2f} ms, offline decode step {step:.2f} ms, "
-              f"ratio mean {itl / step:.3f} median {med / step:.3f}")
-PY
+python3 "$(dirname "$0")/served_ratio.py" $OUT/served_$SCHED.jsonl $OUT/offline_$SCHED.jsonl >> $S 2>&1
 cat $S

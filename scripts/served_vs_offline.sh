@@ -16,16 +16,4 @@ glm-ray bench --base-url http://127.0.0.1:$PORT --dataset-name random --random-i
 kill $server; wait $server 2>/dev/null; ray stop --force > /dev/null 2>&1; sleep 2
 python -m glm_ray.bench.offline $MODEL $SERVE_FLAGS --batch $CS --input-len $IN --output-len $OUTL \
    --json $OUT/offline.jsonl > $OUT/offline.txt 2>&1
-python3 - "$OUT" <<'PY'
-import json, sys
-out = sys.argv[1]
-served = [json.loads(l) for l in open(f"{out}/served.jsonl")]
-off = {r["batch"]: r for r in map(json.loads, open(f"{out}/offline.jsonl"))}
-for r in served:
-    c, itl, med = r.get("max_concurrency"), r.get("mean_itl_ms"), r.get("median_itl_ms")
-    o = off.get(c)
-    if o and itl:
-        step = o["decode_step_ms"]
-        print(f"C={c}: served ITL mean {itl:.2f} / median {med:.2f} ms, offline decode step {step:.2f} ms, "
-              f"ratio mean {itl / step:.3f} median {med / step:.3f}")
-PY
+python3 "$(dirname "$0")/served_ratio.py" $OUT/served.jsonl $OUT/offline.jsonl
