@@ -8,14 +8,14 @@
 #   bash scripts/prefix_cache_ab.sh        (results under ${OUT:-results/prefix-cache})
 set -uo pipefail
 OUT=${OUT:-results/prefix-cache}; mkdir -p $OUT; PORT=${PORT:-8100}; C=${C:-4}
-MODEL=${MODEL:-tiny}; EXTRA=${EXTRA:-}
+MODEL=${MODEL:-tiny}; EXTRA=${EXTRA:-}; GLMRAY=${GLMRAY:-glm-ray}      # GLMRAY="python3 -m glm_ray.cli" uninstalled
 GSP=${GSP:---gsp-num-groups 8 --gsp-prompts-per-group 8 --gsp-system-prompt-len 1024 --gsp-question-len 32 --gsp-output-len 16}
 for mode in on off; do
   flag=""; [ $mode = off ] && flag=--no-enable-prefix-caching
-  glm-ray serve $MODEL $EXTRA $flag --port $PORT --metrics-port $((PORT + 1)) > $OUT/serve_$mode.log 2>&1 &
+  $GLMRAY serve $MODEL $EXTRA $flag --port $PORT --metrics-port $((PORT + 1)) > $OUT/serve_$mode.log 2>&1 &
   server=$!
   for i in $(seq 1 150); do curl -sf 127.0.0.1:$PORT/v1/models > /dev/null && break; sleep 2; done
-  glm-ray bench --base-url http://127.0.0.1:$PORT --dataset-name generated-shared-prefix $GSP \
+  $GLMRAY bench --base-url http://127.0.0.1:$PORT --dataset-name generated-shared-prefix $GSP \
      --max-concurrency $C --tag prefix_cache=$mode --output-file $OUT/gsp_$mode.jsonl --no-progress > $OUT/bench_$mode.txt 2>&1
   sleep 12       # one metrics export interval of Ray's, then the replica's prefix-cache counters
   curl -s 127.0.0.1:$((PORT + 1))/metrics | grep -E '^ray_glm_ray_prefix_cache_(queries|hits)_total' > $OUT/stats_$mode.prom
@@ -27,8 +27,11 @@ out = sys.argv[1]
 r = {m: json.loads(open(f"{out}/gsp_{m}.jsonl").read().splitlines()[-1]) for m in ("on", "off")}
 def total(name):
     return sum(float(line.rsplit(" ", 1)[1]) for line in open(f"{out}/stats_on.prom") if line.startswith(name))
+print(f"prefix cache hit rate (on), usage.cached_tokens: {r['on'].get('prefix_cache_hit_rate') or 0:.3f}  "
+      f"({r['on'].get('total_cached_tokens')} cached prompt tokens; off: {r['off'].get('total_cached_tokens')})")
 q, h = total("ray_glm_ray_prefix_cache_queries_total"), total("ray_glm_ray_prefix_cache_hits_total")
-print(f"prefix cache hit rate (on): {h / max(q, 1):.3f}  (hits {h:.0f} / queries {q:.0f} prompt tokens)")
+if q:     # Ray's metrics export (absent where the metrics agent does not run, e.g. the GPU machine)
+    print(f"prefix cache hit rate (on), metrics: {h / q:.3f}  (hits {h:.0f} / queries {q:.0f} prompt tokens)")
 for k in ("mean_ttft_ms", "median_ttft_ms", "mean_e2e_latency_ms", "output_throughput", "request_throughput"):
     a, b = r["on"].get(k), r["off"].get(k)
     if a and b:

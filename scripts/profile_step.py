@@ -1,6 +1,12 @@
-"""Profile a few decode steps of the engine (torch.profiler), print the top ops by device and host time.
+"""Profile a few engine steps (torch.profiler), print the top ops by host and device time.
 
     python scripts/profile_step.py MODEL --device cuda --dtype bfloat16 --batch 8
+    python scripts/profile_step.py MODEL --load-format dummy --batch 15 --prefix 2048 --prefill 128
+
+Without --prefill: five pure-decode steps of --batch sequences. With --prefill N: the steps that admit one
+more request of --prefix + N prompt tokens while the batch decodes (a mixed step, as a served request
+joining a busy server meets it); with --prefix P its first P tokens were computed by an earlier request
+(prefix cache), so only the N-token tail is prefilled.
 """
 import argparse
 
@@ -16,24 +22,39 @@ p.add_argument("--dtype", default="bfloat16")
 p.add_argument("--batch", type=int, default=8)
 p.add_argument("--load-format", default="auto")
 p.add_argument("--rows", type=int, default=25)
+p.add_argument("--prefill", type=int, default=0, help="prompt tokens (past --prefix) of the request joining")
+p.add_argument("--prefix", type=int, default=0, help="its prompt tokens already in the prefix cache")
+p.add_argument("--kv-cache-gb", type=float, default=1.0)
 a = p.parse_args()
-llm = LLM(a.model, device=a.device, dtype=a.dtype, kv_cache_memory_bytes=1 << 30, max_num_seqs=a.batch,
-          load_format=a.load_format)
+llm = LLM(a.model, device=a.device, dtype=a.dtype, kv_cache_memory_bytes=int(a.kv_cache_gb * (1 << 30)),
+          max_num_seqs=a.batch + 2, max_model_len=max(2048, a.prefix + a.prefill + 128), load_format=a.load_format)
 eng = llm.engine
 g = torch.Generator().manual_seed(0)
+greedy = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0)
+prefix = torch.randint(10, 1000, (a.prefix,), generator=g).tolist()
+if a.prefix:                                   # a finished request leaves the prefix's blocks cached
+    llm.generate([{"prompt_token_ids": prefix + [7]}], SamplingParams(max_tokens=1), use_tqdm=False)
 for i in range(a.batch):
-    eng.add_request(str(i), torch.randint(10, 1000, (32,), generator=g).tolist(),
-                    SamplingParams(max_tokens=64, ignore_eos=True, temperature=0))
+    eng.add_request(str(i), torch.randint(10, 1000, (32,), generator=g).tolist(), greedy)
 for _ in range(8):
     eng.step()
+n_steps = 5
+if a.prefill:                                  # one joining request first: kernels compile, tiles autotune
+    eng.add_request("warm", prefix + torch.randint(10, 1000, (a.prefill,), generator=g).tolist(), greedy)
+    for _ in range(4):
+        eng.step()
+    eng.add_request("joining", prefix + torch.randint(10, 1000, (a.prefill,), generator=g).tolist(), greedy)
+    n_steps = 2                                # the mixed step (and, async, the one that collects it)
 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
 with profile(activities=acts) as prof:
-    for _ in range(5):
+    for _ in range(n_steps):
         eng.step()
     if a.device == "cuda":
         torch.cuda.synchronize()
-key = "cuda_time_total" if a.device == "cuda" else "cpu_time_total"
 print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=a.rows))
 if a.device == "cuda":
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=a.rows))
-print("steps:", [round(s.step_s * 1e3, 2) for s in list(eng.step_history)[-5:]], "ms")
+    launches = sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                     "cudaLaunchKernelExC", "cuLaunchKernelEx"))
+    print(f"kernel launches in {n_steps} steps: {launches}")
+print("steps:", [round(s.step_s * 1e3, 2) for s in list(eng.step_history)[-n_steps:]], "ms")

@@ -177,6 +177,15 @@ class ServerCodec:
 # ----------------------------------------------------------------------------------------------
 # HTTP
 
+def _read_prompt_usage(rec: RequestRecord, usage: dict) -> None:
+    """The server's prompt count and its prefix-cache hits (usage.prompt_tokens_details.cached_tokens)."""
+    if usage.get("prompt_tokens") is not None:
+        rec.server_prompt_tokens = int(usage["prompt_tokens"])
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+        rec.cached_tokens = int(details["cached_tokens"])
+
+
 def _payload(cfg: BenchConfig, model: str, prompt: list[int] | str, max_tokens: int,
              usage_per_chunk: bool) -> dict:
     body: dict[str, Any] = {"model": model}
@@ -262,8 +271,7 @@ async def send_request(
                             rec.tokens_from_usage = True
                         rec.output_len = ct
                         rec.output_len_source = "usage"
-                        if usage.get("prompt_tokens") is not None:
-                            rec.server_prompt_tokens = int(usage["prompt_tokens"])
+                        _read_prompt_usage(rec, usage)
                     if choices:
                         ch = choices[0]
                         if n_new is None:
@@ -318,8 +326,7 @@ def _whole_answer(rec: RequestRecord, raw: bytes) -> RequestRecord:
         rec.error = f"error: {_short(json.dumps(obj['error']))}"
         return rec
     rec.finish_reason = ch.get("finish_reason")
-    if usage.get("prompt_tokens") is not None:
-        rec.server_prompt_tokens = int(usage["prompt_tokens"])
+    _read_prompt_usage(rec, usage)
     if usage.get("completion_tokens") is not None:
         rec.output_len, rec.output_len_source = int(usage["completion_tokens"]), "usage"
         n, rec.tokens_from_usage = rec.output_len, True

@@ -50,6 +50,7 @@ class RequestRecord:
     output_len_source: str = ""          # "usage" (server count) | "finish_reason=length" (= max_tokens)
     finish_reason: str | None = None
     server_prompt_tokens: int | None = None
+    cached_tokens: int | None = None     # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     tokens_from_usage: bool = False      # chunk_tokens came from per-chunk usage (exact counts)
     success: bool = False
     error: str = ""
@@ -121,6 +122,8 @@ class RunSummary:
     latency: dict[str, Stats]
     consistency: list[ConsistencyCheck] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)   # error text -> count
+    total_cached_tokens: int | None = None          # prompt tokens the server found in its prefix cache
+    prefix_cache_hit_rate: float | None = None      # total_cached_tokens / server-counted prompt tokens
 
     @property
     def consistent(self) -> bool:
@@ -383,6 +386,11 @@ def summarize(
         latency=latency,
         errors=errors,
     )
+    with_cached = [r for r in ok if r.cached_tokens is not None]
+    if with_cached:       # the server reported usage.prompt_tokens_details (vLLM, sglang, ours)
+        s.total_cached_tokens = sum(r.cached_tokens for r in with_cached)
+        prompt = sum(r.server_prompt_tokens or r.prompt_len for r in with_cached)
+        s.prefix_cache_hit_rate = s.total_cached_tokens / prompt if prompt else None
     s.consistency = check_consistency(
         s, max_concurrency=max_concurrency, num_prompts=len(records),
         request_rate=request_rate, tolerance=tolerance,

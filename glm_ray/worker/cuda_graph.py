@@ -180,8 +180,8 @@ class DecodeGraphs:
         """Copy one step's values into the static buffers (pinned host staging, async H2D copies)."""
         B = len(token_ids)
         k = self._set = 1 - self._set                                       # the other staging set
-        if self._copied[k] is not None:
-            self._copied[k].synchronize()                                   # its copies (two steps ago) ran
+        if self._copied[k] is not None and not self._copied[k].query():
+            self._copied[k].synchronize()      # its copies (two steps ago) still running: rare, async only
         h = self._h_rows[k]
         h[:, :B] = torch.tensor([token_ids, positions, slots, [p + 1 for p in positions], state_slots],
                                 dtype=torch.int64)

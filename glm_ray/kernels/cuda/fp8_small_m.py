@@ -110,7 +110,7 @@ def small_m_config(m: int, n: int, k: int, *, split_k: int | None = None, num_sm
 # kernels
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=['M'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _fp8_small_m_kernel(x_ptr, w_ptr, ws_ptr, o_ptr, M, N, K, G,
                         stride_xm, stride_wn, stride_wsn, stride_wsk, stride_os, stride_om, eps, fmax,
                         UE8M0: tl.constexpr, INTERP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -144,7 +144,7 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, ws_ptr, o_ptr, M, N, K, G,
     tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['MN'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _split_k_sum_kernel(p_ptr, o_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """o[i] = ((p[0, i] + p[1, i]) + p[2, i]) + ... in split order (deterministic), cast to o's dtype."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

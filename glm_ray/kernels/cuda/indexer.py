@@ -55,7 +55,7 @@ TOPK_CHUNK = None       # scores per loop step of `topk_positions` (None: topk.C
 TOPK_WARPS = None       # its warps per program (None: topk.NUM_WARPS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['KMAX'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, cl_ptr, out_ptr,
                            stride_qb, stride_qh, stride_wb, stride_k, stride_bt, stride_ob, scale,
                            KMAX, H: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, DB: tl.constexpr,

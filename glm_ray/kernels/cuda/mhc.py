@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _mhc_coefficients_kernel(m_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, stride_m, eps,
                              ITERS: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                 # [BT]

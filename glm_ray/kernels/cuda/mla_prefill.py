@@ -174,7 +174,7 @@ def prefill_plan(block_table: torch.Tensor, context_lens: torch.Tensor, query_le
 # kernels
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=['QMAX', 'WORDS'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _selection_bits_kernel(idx_ptr, bits_ptr, cu_q_ptr, ql_ptr, QMAX, K, WORDS, stride_ib, stride_iq,
                            BLOCK_K: tl.constexpr):
     """One program per (sequence, query slot): OR the bits of its selected positions into its packed
@@ -233,7 +233,7 @@ def _attend_tile(acc, m_i, l_i, q1, q2, qpe, kv_rows, pe_rows, kmask, smask, qk_
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['K0', 'K1', 'WORDS'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _prefill_kernel(q_ptr, tok_ptr, kv_ptr, pe_ptr, bits_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
                     cu_q_ptr, ql_ptr, cl_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr,
                     H, K0, K1, WORDS, qk_scale,

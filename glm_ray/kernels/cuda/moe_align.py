@@ -30,7 +30,7 @@ MAX_EXPERTS = 1024
 _TILE = 8192                # one-hot tile elements (CHUNK * E_P2): registers of one CTA
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['P', 'max_rows', 'max_blocks'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, npost_ptr, P, E, max_rows, max_blocks,
                       BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr):
     e_off = tl.arange(0, E_P2)                                               # [E_P2]

@@ -35,7 +35,7 @@ def _round(v, dtype: tl.constexpr):
     return v.to(dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, T, stride_x, stride_r, eps,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, HAS_RES: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                 # [BT]

@@ -44,7 +44,7 @@ def _key_value(key):
     return b.to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _moe_routing_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_t, scale,
                         E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                         N_GROUP: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,

@@ -83,7 +83,7 @@ def _slice(n, s, S, ALIGN: tl.constexpr):
     return lo, tl.minimum(lo + width, n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'S'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _radix_pass_kernel(s_ptr, len_ptr, hist_ptr, cnt_ptr, gt_ptr, N, K, S, stride_s,
                        PASS: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr):
     b = tl.program_id(0)
@@ -123,7 +123,7 @@ def _radix_pass_kernel(s_ptr, len_ptr, hist_ptr, cnt_ptr, gt_ptr, N, K, S, strid
         tl.store(gt_ptr + base, gt)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'S'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _compact_kernel(s_ptr, len_ptr, hist_ptr, cnt_ptr, gt_ptr, o_ptr, N, K, S, stride_s, stride_o,
                     CHUNK: tl.constexpr, ALIGN: tl.constexpr, SP2: tl.constexpr):
     b = tl.program_id(0)

@@ -170,7 +170,7 @@ def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
 # kernels
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=['M', 'M_OUT'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _act_quant_fp8_kernel(x_ptr, q_ptr, s_ptr, M, K, M_OUT, stride_xm, stride_qm, stride_sm, stride_sg, eps, fmax,
                           UE8M0: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr):
     pid_r = tl.program_id(0)
@@ -186,7 +186,7 @@ def _act_quant_fp8_kernel(x_ptr, q_ptr, s_ptr, M, K, M_OUT, stride_xm, stride_qm
     tl.store(s_ptr + rows64 * stride_sm + g * stride_sg, s, mask=out_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['P', 'EM'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _moe_up_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, os_ptr, sorted_ptr, eid_ptr, npost_ptr,
                    P, EM, top_k, K, N, HALF, SHALF,
                    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
@@ -259,7 +259,7 @@ def _moe_up_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, os_ptr, sorted_ptr, eid_
         tl.store(o_ptrs, h.to(o_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['P', 'EM'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _moe_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr,
                      P, EM, N, K,
                      stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
@@ -312,7 +312,7 @@ def _moe_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, tw_ptr, sorted_ptr, ei
              mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['M'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _mx_qdq_rows_kernel(x_ptr, o_ptr, M, K, stride_xm, stride_om, MODE: tl.constexpr, ROWS: tl.constexpr,
                         COLS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
