@@ -118,6 +118,9 @@ CUDA_MOE_DECODE_PAIRS: EnvVar[int] = EnvVar(
 CUDA_INDEXER_TOPK: EnvVar[str] = EnvVar(
     "GLM_RAY_CUDA_INDEXER_TOPK", _choice("triton", "torch"), "triton", "cuda backend: top-k of the DSA indexer's "
     "decode path: the multi-program Triton radix select (kernels/cuda/topk.py) or torch.topk")
+LOG_TRITON_COMPILES: EnvVar[bool] = EnvVar(
+    "GLM_RAY_LOG_TRITON_COMPILES", _bool, False, "cuda backend: log every Triton JIT compile (kernel, "
+    "seconds, specialization; kernels/cuda/compile_log.py): a compile inside a step stalls it for seconds", "bool")
 STEP_TIMEOUT_S: EnvVar[float] = EnvVar(
     "GLM_RAY_STEP_TIMEOUT_S", _positive_float, 600.0, "serving: an engine step running longer than this "
     "fails the engine (its streams end with a 503, health fails, Serve replaces the replica): a rank "
@@ -141,7 +144,7 @@ LOG_LEVEL: EnvVar[str] = EnvVar(
 
 ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_THREADS, ORCHESTRATION,
                            TIME_COLLECTIVES, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
-                           CUDA_MOE_DECODE_PAIRS, CUDA_INDEXER_TOPK, STEP_TIMEOUT_S, FAULT_INJECTION,
+                           CUDA_MOE_DECODE_PAIRS, CUDA_INDEXER_TOPK, LOG_TRITON_COMPILES, STEP_TIMEOUT_S, FAULT_INJECTION,
                            TEST_FORCED_OUTPUT, GRAMMAR_THREADS, GRAMMAR_CACHE_MB, LOG_LEVEL)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from glm_ray import LLM, SamplingParams
+from glm_ray.kernels.cuda.compile_log import CompileLog
 
 p = argparse.ArgumentParser()
 p.add_argument("model")
@@ -45,6 +46,7 @@ if a.prefill:                                  # one joining request first: kern
         eng.step()
     eng.add_request("joining", prefix + torch.randint(10, 1000, (a.prefill,), generator=g).tolist(), greedy)
     n_steps = 2                                # the mixed step (and, async, the one that collects it)
+compiles = CompileLog().install() if a.device == "cuda" else None     # Triton JIT inside the profiled steps
 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
 with profile(activities=acts) as prof:
     for _ in range(n_steps):
@@ -57,4 +59,8 @@ if a.device == "cuda":
     launches = sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
                                                                      "cudaLaunchKernelExC", "cuLaunchKernelEx"))
     print(f"kernel launches in {n_steps} steps: {launches}")
+if compiles is not None:
+    compiles.uninstall()
+    print(f"Triton compiles in the profiled steps: {len(compiles.compiles)}")
+    print(compiles.summary())
 print("steps:", [round(s.step_s * 1e3, 2) for s in list(eng.step_history)[-n_steps:]], "ms")

@@ -61,6 +61,7 @@ import torch.nn.functional as F
 
 from glm_ray import envs
 from glm_ray.kernels.cuda import layout as L
+from glm_ray.kernels.cuda.compile_log import install_logging
 from glm_ray.kernels.table import KernelOps
 from glm_ray.kernels.torch_ref import attention as ref_attention
 from glm_ray.kernels.torch_ref import cache_write as ref_cache_write
@@ -519,6 +520,8 @@ class CudaKernels:
 def make_ops(fp8_gemm: str | None = None):
     """KernelOps for the cuda backend (moe_quant_layout / moe_quant_prepare are inherited from torch)."""
     k = CudaKernels(fp8_gemm)
+    if envs.LOG_TRITON_COMPILES.get():
+        install_logging()
     return KernelOps(name="cuda", block_fp8_linear=k.block_fp8_linear, fused_moe=k.fused_moe,
                      block_fp8_linear_prepare=k.block_fp8_linear_prepare, fused_moe_block_fp8=k.fused_moe_block_fp8,
                      fused_moe_mxfp4=k.fused_moe_mxfp4, mxfp4_linear=k.mxfp4_linear,
