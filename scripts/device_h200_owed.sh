@@ -6,7 +6,7 @@
 #   PART=grammar  bench.structured on glm5-flash-31b FP8 dummy: 0/16/64 constrained of 64 (#21 measure)
 #   PART=all      tests, prefill, grammar
 # The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
-# scripts/device_h200_served.sh with the wheels of the README's "GPU machine" section.
+# scripts/device_h200_served.sh with Ray and xgrammar importable (README, "Reproducing on a GPU machine without a package index").
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; PART=${PART:-all}
 if [ $PART = all ] || [ $PART = tests ]; then

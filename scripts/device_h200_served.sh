@@ -3,7 +3,7 @@
 # glm5-flash-31b block-FP8 dummy, TP1, CUDA graphs, served by `glm-ray serve` (engine loop in rank 0's
 # actor; SCHED=async|sync) and loaded by `glm-ray bench` (random ids, input 1024, output 256, C = 1/16/64,
 # 4 x C prompts each); then `bench.offline` at batch 1/16/64 with the same lengths and scheduling.
-# Needs Ray on PYTHONPATH (../shared-free: see README "GPU machine"). One device call (<= 600 s).
+# Needs Ray and xgrammar importable (README: "Reproducing on a GPU machine without a package index"). One device call (<= 600 s).
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; SCHED=${SCHED:-async}; PORT=8000
 MDIR=$(python3 -c "from pathlib import Path; from glm_ray.bench.decode import model_dir_for; print(model_dir_for('glm5-flash-31b', 'fp8', Path('/tmp/models')))")
