@@ -23,7 +23,10 @@ def words(text):
     return [min(len(w), 999) for w in text.split()]
 
 
-def make_app(*, tokens_per_chunk=1, reject_continuous=False, send_usage=True, step_s=0.002, seen=None):
+def make_app(*, tokens_per_chunk=1, reject_continuous=False, send_usage=True, step_s=0.002, seen=None,
+             prefix_cache=None):
+    """prefix_cache: a set; the stand-in then reports usage.prompt_tokens_details.cached_tokens as the
+    longest earlier prompt prefix in whole 4-token blocks (a block-granular prefix cache)."""
     async def models(request):
         return web.json_response({"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
 
@@ -48,12 +51,20 @@ def make_app(*, tokens_per_chunk=1, reject_continuous=False, send_usage=True, st
         if not chat and any(t >= 1000 for t in body["prompt"]):
             return web.json_response({"error": {"message": "token id out of range"}}, status=400)
         n, cont = body["max_tokens"], bool(so.get("continuous_usage_stats"))
+        usage_extra = {}
+        if prefix_cache is not None and not chat:
+            p = tuple(body["prompt"])
+            cuts = range(4, len(p), 4)                      # the last token is always computed
+            cached = max([k for k in cuts if p[:k] in prefix_cache], default=0)
+            prefix_cache.update(p[:k] for k in cuts)
+            usage_extra = {"prompt_tokens_details": {"cached_tokens": cached}}
         if not body.get("stream"):
             await asyncio.sleep(step_s * n)
             choice = ({"index": 0, "message": {"role": "assistant", "content": "x" * n}} if chat
                       else {"index": 0, "text": "x" * n})
             return web.json_response({"choices": [dict(choice, finish_reason="length")],
-                                      "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n}})
+                                      "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                                **usage_extra}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         done = 0
@@ -67,7 +78,7 @@ def make_app(*, tokens_per_chunk=1, reject_continuous=False, send_usage=True, st
                 chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         if send_usage and so.get("include_usage"):
-            u = {"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n}}
+            u = {"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, **usage_extra}}
             await resp.write(f"data: {json.dumps(u)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -297,6 +308,19 @@ def test_generated_shared_prefix_requests():
     assert res.num_prompts == 12 and len(bench) == 12 and {b["max_tokens"] for b in seen[1:]} == {3}
     prefixes = {tuple(p[:20]) for p in bench}
     assert len(prefixes) == 3 and all(sum(tuple(p[:20]) == pre for p in bench) == 4 for pre in prefixes)
+
+
+def test_prefix_cache_hits_from_usage_cached_tokens():
+    """The run's hit rate is the server's usage.prompt_tokens_details.cached_tokens over its prompt tokens:
+    one request at a time, each group's first prompt misses, the other three reuse its 20-token prefix."""
+    _, (res,) = sweep(make_app(prefix_cache=set()), dataset="generated-shared-prefix", gsp_num_groups=3,
+                      gsp_prompts_per_group=4, gsp_system_prompt_len=20, gsp_question_len=5, gsp_output_len=3,
+                      concurrencies=(1,), warmup_requests=0)
+    s = res.summary
+    assert [r.cached_tokens for r in res.records].count(0) == 3 and s.total_cached_tokens == 3 * 3 * 20
+    assert s.prefix_cache_hit_rate == pytest.approx(180 / (12 * 25))
+    _, (plain,) = sweep(make_app(), dataset="random", num_prompts=2, concurrencies=(1,), warmup_requests=0)
+    assert plain.summary.total_cached_tokens is None and plain.summary.prefix_cache_hit_rate is None
 
 
 def test_no_concurrency_limit_sends_everything_at_once():
