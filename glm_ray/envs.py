@@ -100,6 +100,10 @@ ORCHESTRATION: EnvVar[str] = EnvVar(
 TIME_COLLECTIVES: EnvVar[bool] = EnvVar(
     "GLM_RAY_TIME_COLLECTIVES", _bool, False, "measurement only: time every all-reduce/gather (adds "
     "syncs)", "bool")
+STEP_TIMELINE: EnvVar[bool] = EnvVar(
+    "GLM_RAY_STEP_TIMELINE", _bool, False, "measurement only: rank 0 marks each step's device work (CUDA "
+    "events read after the step's own host wait) and reports its device time and the device's idle gap before it "
+    "(worker/step_timeline.py; `bench.orchestration` sets it)", "bool")
 TORCH_OPS: EnvVar[frozenset[str]] = EnvVar(
     "GLM_RAY_TORCH_OPS", _names, frozenset(), "comma-separated kernel ops sent to the torch reference on "
     "any backend (a kernel's A/B inside one deployment)", "names")
@@ -143,7 +147,7 @@ LOG_LEVEL: EnvVar[str] = EnvVar(
     "command")
 
 ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_THREADS, ORCHESTRATION,
-                           TIME_COLLECTIVES, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
+                           TIME_COLLECTIVES, STEP_TIMELINE, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
                            CUDA_MOE_DECODE_PAIRS, CUDA_INDEXER_TOPK, LOG_TRITON_COMPILES, STEP_TIMEOUT_S, FAULT_INJECTION,
                            TEST_FORCED_OUTPUT, GRAMMAR_THREADS, GRAMMAR_CACHE_MB, LOG_LEVEL)
 

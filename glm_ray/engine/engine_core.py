@@ -69,7 +69,23 @@ def summarize_steps(steps, decode_only: bool = True) -> dict:
             "forward_ms": med(lambda s: s.worker_timings.get("forward", 0.0)) * 1e3,
             "collectives_ms": med(lambda s: s.worker_timings.get("collectives", 0.0)) * 1e3,
             "collectives_share": med(lambda s: s.worker_timings.get("collectives", 0.0) / s.step_s if s.step_s else 0.0),
-            "batch": med(lambda s: s.num_decode_seqs)}
+            "batch": med(lambda s: s.num_decode_seqs),
+            **_timeline(xs)}
+
+
+def _timeline(steps) -> dict:
+    """Medians of the device-side marks (GLM_RAY_STEP_TIMELINE): the step's device time, the device's
+    idle gap before it, and the share of the step that gap is."""
+    dev = [s.worker_timings["device"] for s in steps if "device" in s.worker_timings]
+    gaps = [s.worker_timings["gap"] for s in steps if "gap" in s.worker_timings]
+    if not dev:
+        return {}
+    out = {"device_ms": statistics.median(dev) * 1e3}
+    if gaps:
+        out["gap_ms"] = statistics.median(gaps) * 1e3
+        out["gap_share"] = statistics.median(g / s.step_s for s in steps if "gap" in s.worker_timings and s.step_s
+                                             for g in (s.worker_timings["gap"],))
+    return out
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> int:

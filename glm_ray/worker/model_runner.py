@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from glm_ray import envs
 from glm_ray.config import EngineConfig, ModelConfig
 from glm_ray.distributed.parallel_state import broadcast, collective_timer, tp_rank, tp_size
 from glm_ray.engine.contract import ModelRunnerOutput, SchedulerOutput, StepFailure
@@ -49,6 +50,7 @@ from glm_ray.worker.sampler import (
     to_device,
     to_logprob_dict,
 )
+from glm_ray.worker.step_timeline import StepTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class PendingStep:
     t0: float = 0.0
     t1: float = 0.0
     t2: float = 0.0
+    marks: tuple | None = None                     # StepTimeline (start, end) of the step's device work
 
 
 class ModelRunner:
@@ -103,6 +106,7 @@ class ModelRunner:
         self.requests: dict[str, ReqState] = {}
         self.eos = model_cfg.eos_token_ids
         self.faults = FaultInjector.from_env()                                 # None outside reliability tests
+        self.timeline = StepTimeline(device) if envs.STEP_TIMELINE.get() else None   # measurement only
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB per rank)", num_blocks, self.block_size,
                     num_blocks * self.block_size * kv_bytes_per_token(model_cfg, model_cfg.dtype) / 2**20)
         self.graphs: DecodeGraphs | None = self._capture_graphs(num_blocks) if use_graphs else None
@@ -179,6 +183,7 @@ class ModelRunner:
             # prompt positions of seqs that want prompt logprobs
             ends = torch.tensor(qlens).cumsum(0)
             sample_rows = [int(ends[i]) - 1 for i, s in enumerate(seqs) if s.sample]
+            start = self.timeline.mark() if self.timeline is not None else None
             if self._graph_step(seqs):
                 self.num_graph_steps += 1
                 t1 = time.perf_counter()
@@ -214,6 +219,8 @@ class ModelRunner:
                                                  for st in states):
                 self.collect(self._pending)              # their sampling reads the host's output lists
             self._launch_sample(pending, sampling, states, logits)
+        if start is not None:
+            pending.marks = (start, self.timeline.mark())
         self._share_tokens(step, pending.tokens, pending.req_ids)
         self._pending = pending
         return pending
@@ -262,6 +269,8 @@ class ModelRunner:
                         out.logprobs[rid] = to_logprob_dict(tok, lps[0][i], *lps[1][i], n)
         t3 = time.perf_counter()
         out.timings = {"prepare": pending.t1 - pending.t0, "forward": pending.t2 - pending.t1, "sample": t3 - pending.t2}
+        if pending.marks is not None:
+            out.timings.update(self.timeline.timings(*pending.marks))
         timer = collective_timer()
         if timer is not None:
             out.timings["collectives"] = timer.collect()     # inside "forward" (and the lm_head gather)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from glm_ray import LLM, SamplingParams
+from glm_ray.engine.engine_core import summarize_steps
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU present")]
@@ -138,3 +139,22 @@ def test_async_scheduling_equals_sync_with_graphs(oracle_dir):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-3
+
+
+def test_step_timeline_with_graphs(oracle_dir, monkeypatch):
+    """GLM_RAY_STEP_TIMELINE on the GPU: CUDA-event marks around every replayed step, read after the
+    step's one host wait (the sync-count test above holds without them); device time within the step's
+    wall time in the synchronous loop, and async scheduling leaves the device less idle between steps."""
+    monkeypatch.setenv("GLM_RAY_STEP_TIMELINE", "1")
+    gaps = {}
+    for async_scheduling in (False, True):
+        llm = LLM(oracle_dir, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=256 << 20, max_num_seqs=8,
+                  max_model_len=1024, async_scheduling=async_scheduling)
+        llm.generate(_prompts()[:4], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True), use_tqdm=False)
+        steps = [s for s in llm.engine.step_history if s.num_decode_seqs == s.num_tokens > 0]
+        assert len(steps) >= 40 and all("device" in s.worker_timings and "gap" in s.worker_timings for s in steps[1:])
+        if not async_scheduling:
+            assert all(s.worker_timings["device"] <= s.step_s for s in steps)
+        gaps[async_scheduling] = summarize_steps(steps)["gap_ms"]
+        del llm
+    assert gaps[True] < gaps[False], gaps
