@@ -184,3 +184,50 @@ def test_select_topk_with_ties(monkeypatch, impl, chunk):
                 picked = [t for t in got if t >= 0]
                 assert len(picked) == len(want) and len(set(picked)) == len(picked) and max(picked, default=0) < n
                 assert sorted(row[picked].tolist()) == sorted(row[want].tolist()), (k, b, got, want)
+
+
+def _prefill_case(query_lens, context_lens, block_size, seed):
+    """A prefill step (several queries per sequence, some with a cached prefix) built by
+    `build_forward_batch`, qi / w as rows of the whole step, keys at every sequence's slots."""
+    g = torch.Generator().manual_seed(seed)
+    nbs = [-(-n // block_size) for n in context_lens]
+    perm = torch.randperm(sum(nbs) + 3, generator=g).tolist()                 # non-contiguous tables
+    tables, at = [], 0
+    for nb in nbs:
+        tables.append(perm[at:at + nb])
+        at += nb
+    key_cache = (torch.randn((sum(nbs) + 3) * block_size, DI, generator=g) + 1).to(torch.bfloat16).to(DEV)
+    T = sum(query_lens)
+    qi = (torch.randn(T, HI, DI, generator=g) + 1).to(DEV)
+    w = torch.randn(T, HI, generator=g).to(DEV)
+    fb = build_forward_batch(query_lens, context_lens, tables, block_size, torch.device(DEV))
+    return qi, w, key_cache, fb
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("max_bytes", [1 << 30, 256])
+def test_prefill_rows_match_engine_indexer_topk(monkeypatch, impl, max_bytes):
+    """`indexer_prefill_topk` == the torch reference `indexer_topk` on the prefill groups of a step: fresh
+    prompts and chunks after a cached prefix, contexts below and above topk, -1 for queries with fewer
+    causal keys than topk and for padded query slots; one chunk of rows, and many (max_bytes 256)."""
+    monkeypatch.setattr(K, "TOPK_IMPL", impl)
+    qi, w, key_cache, fb = _prefill_case([7, 12, 5, 1], [7, 30, 21, 40], 4, seed=7)
+    topk = 9
+    seen = 0
+    for group in fb.groups:
+        ref = indexer_topk(qi, w, key_cache, group, topk)                     # [B, Qmax, k]
+        got = K.indexer_prefill_topk(qi, w, key_cache, group, topk, max_bytes=max_bytes)
+        assert got.shape == ref.shape and got.dtype == torch.int32
+        Qmax = group.q_index.shape[1]
+        first = (group.context_lens - group.query_lens).tolist()
+        for b in range(group.num_seqs):
+            for i in range(Qmax):
+                g_, r_ = got[b, i], ref[b, i]
+                if not bool(group.q_valid[b, i]):
+                    assert bool((g_ == -1).all())
+                    continue
+                n = first[b] + i + 1                                          # causal keys of the query
+                gs, rs = set(g_[g_ >= 0].tolist()), set(r_[r_ >= 0].tolist())
+                assert gs == rs and len(gs) == min(topk, n) and max(gs) < n, (b, i, gs, rs)
+                seen += 1
+    assert seen == 7 + 12 + 5 + 1 and len(fb.groups) >= 2          # every query once (the decode group too)

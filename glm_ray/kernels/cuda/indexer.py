@@ -1,6 +1,7 @@
-"""Triton DSA lightning-indexer decode kernel of the `cuda` backend: the index scores of one query per
-sequence over its paged key cache, and their top-k positions (contract: `indexer_topk` in
-kernels/torch_ref/indexer.py, here for query_lens == 1 and with int32 positions out).
+"""Triton DSA lightning-indexer kernel of the `cuda` backend: the index scores of one query per row over
+its sequence's paged key cache, and their top-k positions (contract: `indexer_topk` in
+kernels/torch_ref/indexer.py). Decode: a row per sequence (`indexer_decode_topk`); prefill: a row per
+query token with its causal length as the context (`indexer_prefill_topk`).
 
     I[b, t] = sum_h w[b, h] * relu(qi[b, h] . k[t] * di^-0.5),   t < context_lens[b]
 
@@ -156,6 +157,38 @@ def indexer_decode_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Tens
     positions exist (the -inf picks)."""
     scores = indexer_decode_scores(qi, w, key_cache, block_table, context_lens, block_size, kmax)   # [B, kmax]
     return select_topk(scores, context_lens, min(topk, kmax))
+
+
+def indexer_prefill_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, group, topk: int, *,
+                         max_bytes: int) -> torch.Tensor:
+    """The `indexer_topk` op on a prefill group (several queries per sequence): every query token is one
+    row of the decode kernel — its sequence's block table, its causal length (position + 1) as the
+    context — so the scores are the same per-row dots and the same top-k, with no [B, Qmax, Hi, Kmax]
+    per-head scores and no padded views. qi [T, Hi, di], w [T, Hi]: rows of the whole step. Returns
+    indices [B, Qmax, k] int32 (k = min(topk, max_context_len); -1 where a query has fewer than k causal
+    keys and in padded query slots). Rows go in chunks whose [rows, Kmax] fp32 scores fit `max_bytes`
+    (one chunk unless the step's queries x context are large)."""
+    B, Qmax = group.q_index.shape
+    kmax = group.max_context_len
+    k = min(topk, kmax)
+    out = torch.full((B * Qmax, k), -1, dtype=torch.int32, device=qi.device)    # [B*Qmax, k]
+    tg = group.packed.shape[0]
+    if tg == 0:
+        return out.view(B, Qmax, k)
+    seq = group.packed // Qmax                                                  # [Tg] sequence of each row
+    first = (group.context_lens - group.query_lens).long()                      # [B] first new position
+    lens = (first[seq] + group.packed % Qmax + 1).to(torch.int32)               # [Tg] causal context
+    tables = group.block_table[seq]                                             # [Tg, nb]
+    q, ww = qi[group.token_index], w[group.token_index]                         # [Tg, Hi, di], [Tg, Hi]
+    rows = max(1, max_bytes // (kmax * 4))
+    picks = []
+    for r0 in range(0, tg, rows):                                               # chunks of rows (usually one)
+        r1 = min(tg, r0 + rows)
+        scores = indexer_decode_scores(q[r0:r1], ww[r0:r1], key_cache, tables[r0:r1], lens[r0:r1],
+                                       group.block_size, kmax)                  # [rows, kmax]
+        picks.append(select_topk(scores, lens[r0:r1], k))                       # [rows, k]
+    out[group.packed] = picks[0] if len(picks) == 1 else torch.cat(picks)
+    return out.view(B, Qmax, k)
 
 
 def select_topk(scores: torch.Tensor, context_lens: torch.Tensor, k: int) -> torch.Tensor:

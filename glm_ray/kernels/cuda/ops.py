@@ -28,8 +28,9 @@
   merged by log-sum-exp) over the block table (dense) or the DSA top-k positions (sparse). Reference
   when: not CUDA, sm < 80, not bf16/fp16, more than one query per sequence (a forced absorbed prefill),
   a bool-mask selection (the k-pool indexer).
-* indexer_topk: decode groups score the paged key cache in one Triton kernel (indexer.py), then the
-  multi-program radix select of topk.py (GLM_RAY_CUDA_INDEXER_TOPK=torch: torch.topk). Reference when: not CUDA, sm < 80, more than one query per sequence (prefill).
+* indexer_topk: the paged key cache scored in one Triton kernel (indexer.py) — a row per sequence in
+  decode, a row per query token with its causal length in prefill — then the multi-program radix select
+  of topk.py (GLM_RAY_CUDA_INDEXER_TOPK=torch: torch.topk). Reference when: not CUDA, sm < 80.
 * moe_routing: one Triton kernel (routing.py). Reference when: not CUDA, sm < 70, E > 1024.
 * mla_kv_write / indexer_key_write: norm + rope + cast + scatter of a token's cache row in one Triton launch
   (cache_write.py). Reference when: not CUDA, sm < 80, an activation / weight / cache dtype other than
@@ -449,12 +450,14 @@ class CudaKernels:
     def indexer_topk(self, qi, w, key_cache, group, topk: int, *, max_bytes: int = ref_indexer.SCORE_BYTES):
         def slow():
             return ref_indexer.indexer_topk(qi, w, key_cache, group, topk, max_bytes=max_bytes)
-        reason = (self._gpu_reason(qi, 80, need_triton=True)
-                  or ("more than one query per sequence" if group.q_index.shape[1] != 1 else None))
+        reason = self._gpu_reason(qi, 80, need_triton=True)
         if reason is not None:
             self._fallback("indexer_topk", reason)
             return slow()
-        from glm_ray.kernels.cuda.indexer import indexer_decode_topk  # noqa: PLC0415 (imports triton)
+        from glm_ray.kernels.cuda.indexer import indexer_decode_topk, indexer_prefill_topk  # noqa: PLC0415
+        if group.q_index.shape[1] != 1:                                     # prefill: a row per query token
+            return self._guarded("indexer_topk", lambda: indexer_prefill_topk(qi, w, key_cache, group, topk,
+                                                                              max_bytes=max_bytes), slow)
         def fast():
             kmax = group.kv_capacity or group.max_context_len
             idx = indexer_decode_topk(group.rows_of(qi), group.rows_of(w), key_cache, group.block_table, group.context_lens,
