@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # The H200 measurements the open issues still owe, in one device call (<= 600 s each PART):
-#   PART=tests    GPU tests not yet run on a GPU: CUDA graphs (sync count, async auto) and the Triton MLA
-#                 prefill (#18/#19/#20)
+#   PART=tests    GPU tests new since their last GPU run: CUDA graphs (+ the step timeline), the Triton MLA
+#                 prefill, the indexer (+ its prefill path) (#18/#19/#20)
 #   PART=prefill  bench.attention --mode prefill: the Triton MLA prefill vs its FLOP floor (#20 measure 1)
 #   PART=grammar  bench.structured on glm5-flash-31b FP8 dummy: 0/16/64 constrained of 64 (#21 measure)
-#   PART=all      tests, prefill, grammar
-# The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
+#   PART=indexer  bench.indexer --prefill: the prefill indexer (a row per query token) vs the torch reference (#20 item 2)
+#   PART=mixed    scripts/profile_step.py on a mixed step (15 decoding + one 2048-cached + 128-new request):
+#                 step times, top ops and the Triton compiles inside the profiled steps (#22's TTFT stall)
+#   PART=all      tests, prefill, grammar, indexer, mixed
+# Needs xgrammar importable (the engine imports it). The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
 # scripts/device_h200_served.sh with Ray and xgrammar importable (README, "Reproducing on a GPU machine without a package index").
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; PART=${PART:-all}
 if [ $PART = all ] || [ $PART = tests ]; then
   echo "== gpu tests" >> $S
-  for f in ${TESTS:-tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_mla_prefill.py}; do
+  for f in ${TESTS:-tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_mla_prefill.py tests/gpu/test_cuda_indexer.py}; do
     timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider $f > $OUT/t.log 2>&1
     echo "$(basename $f) rc=$? $(tail -1 $OUT/t.log)" >> $S
     grep -E "^(FAILED|ERROR|E  )" $OUT/t.log | cut -c1-300 | head -30 >> $S; cat $OUT/t.log >> $OUT/gpu_tests.log
@@ -28,5 +31,18 @@ if [ $PART = all ] || [ $PART = grammar ]; then
   timeout ${GRAMMAR_LIM:-240} python3 -m glm_ray.bench.structured glm5-flash-31b --load-format dummy --quant fp8 \
      --device cuda --scheduling sync async --json $OUT/structured.jsonl > $OUT/structured.log 2>&1; echo "rc=$?" >> $S
   grep -vE "INFO|WARNING|shards" $OUT/structured.log | tail -20 >> $S
+fi
+if [ $PART = all ] || [ $PART = indexer ]; then
+  echo "== bench.indexer --prefill" >> $S
+  timeout ${INDEXER_LIM:-150} python3 -m glm_ray.bench.indexer --prefill 1x1024 8x1024 1x8192 4x8192 \
+     --json $OUT/indexer_prefill.jsonl > $OUT/indexer_prefill.log 2>&1; echo "rc=$?" >> $S
+  grep -vE "INFO|WARNING" $OUT/indexer_prefill.log | tail -8 >> $S
+fi
+if [ $PART = all ] || [ $PART = mixed ]; then
+  echo "== profile_step.py mixed step (glm5-flash-31b fp8 dummy)" >> $S
+  MDIR=$(python3 -c "from pathlib import Path; from glm_ray.bench.decode import model_dir_for; print(model_dir_for('glm5-flash-31b', 'fp8', Path('/tmp/models')))")
+  timeout ${MIXED_LIM:-200} python3 scripts/profile_step.py $MDIR --load-format dummy --batch 15 --prefix 2048 \
+     --prefill 128 --kv-cache-gb 8 --rows 40 > $OUT/profile_mixed.txt 2>&1; echo "rc=$?" >> $S
+  grep -E "^steps:|launches|Triton compiles|^ *[0-9?.]+ s  " $OUT/profile_mixed.txt | sort -u | head -30 >> $S
 fi
 cat $S

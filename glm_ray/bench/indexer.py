@@ -6,6 +6,13 @@ achievable HBM read rate).
     python -m glm_ray.bench.indexer [--batch 1 8 32 64] [--context 1024 8192 32768] [--json out.jsonl]
     python -m glm_ray.bench.indexer --topk-only --batch 1 8 64 --context 8192 32768
 
+    python -m glm_ray.bench.indexer --prefill 1x1024 8x1024 1x8192 4x8192
+
+--prefill B x L times the prefill path (`indexer_prefill_topk`: a row per query token of B fresh
+L-token prompts, causal) against the torch reference `indexer_topk`, eagerly (CUDA events, median of
+--iters, L2 warm): useful TFLOPS = B * L(L+1)/2 * Hi * di * 2 / time, beside the 989 TFLOPS BF16 peak
+(an fp32 query runs as 3 bf16 dots, so the tensor cores do 3x that work).
+
 --topk-only times the top-k alone (`select_topk` on random fp32 scores [B, context], every row full):
 the Triton radix select (kernels/cuda/topk.py) against torch.topk, same timing method.
 
@@ -103,6 +110,54 @@ def run_topk(batches: list[int], contexts: list[int], *, topk: int = 2048, iters
     return rows
 
 
+PREFILL_COLS = ["B", "L", "rows", "us", "TFLOPS", "peak_ratio", "ref_us", "speedup"]
+PEAK_BF16_TFLOPS = 989.0
+
+
+def _eager_us(fn, iters: int) -> float:
+    """Median CUDA-event time of fn() over iters calls (after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def run_prefill(shapes: list[tuple[int, int]], *, heads: int = 32, head_dim: int = 128, block_size: int = 64,
+                topk: int = 2048, iters: int = 10) -> list[dict]:
+    """`indexer_prefill_topk` vs the torch reference on B fresh L-token prompts (one prefill group)."""
+    from glm_ray.forward_batch import build_forward_batch  # noqa: PLC0415
+    from glm_ray.kernels.torch_ref.indexer import SCORE_BYTES  # noqa: PLC0415
+    from glm_ray.kernels.torch_ref.indexer import indexer_topk as ref_topk  # noqa: PLC0415
+    K = _kernels()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for B, L in shapes:
+        nb = -(-L // block_size)
+        key_cache = torch.randn(B * nb * block_size, head_dim, generator=g, device=dev).to(torch.bfloat16)
+        perm = torch.randperm(B * nb, generator=g).tolist()
+        tables = [perm[i * nb:(i + 1) * nb] for i in range(B)]
+        qi = torch.randn(B * L, heads, head_dim, generator=g, device=dev)
+        w = torch.randn(B * L, heads, generator=g, device=dev) * heads ** -0.5
+        (group,) = build_forward_batch([L] * B, [L] * B, tables, block_size, dev).groups
+        t = _eager_us(partial(K.indexer_prefill_topk, qi, w, key_cache, group, topk, max_bytes=SCORE_BYTES), iters)
+        t_ref = _eager_us(partial(ref_topk, qi, w, key_cache, group, topk), max(2, iters // 3))
+        tflops = B * L * (L + 1) / 2 * heads * head_dim * 2 / (t * 1e-6) / 1e12
+        rows.append({"bench": "indexer_prefill", "B": B, "L": L, "rows": B * L, "heads": heads, "head_dim": head_dim,
+                     "topk": topk, "topk_impl": K.TOPK_IMPL, "us": t, "TFLOPS": tflops,
+                     "peak_ratio": tflops / PEAK_BF16_TFLOPS, "ref_us": t_ref, "speedup": t_ref / t})
+        del key_cache, qi, w, group
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -122,6 +177,8 @@ def main(argv=None) -> int:
                    help="override the top-k's target programs per launch (topk.TARGET_PROGRAMS)")
     p.add_argument("--topk-only", action="store_true", help="time the top-k alone: Triton vs torch.topk")
     p.add_argument("--parts", type=int, default=None, help="override the bf16 parts of an fp32 query (1-3)")
+    p.add_argument("--prefill", nargs="+", default=None, metavar="BxL",
+                   help="time the prefill path on B fresh L-token prompts (e.g. 8x1024) vs the torch reference")
     p.add_argument("--json", default=None, help="also append the rows to this JSONL file")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -143,6 +200,12 @@ def main(argv=None) -> int:
         K.FP32_QUERY_PARTS = a.parts
     if a.topk_programs:
         K.radix_topk.TARGET_PROGRAMS = a.topk_programs
+    if a.prefill:
+        shapes = [tuple(int(x) for x in s.lower().split("x")) for s in a.prefill]
+        rows = run_prefill(shapes, block_size=a.block_size, topk=a.topk, iters=min(a.iters, 10))
+        print_rows(rows, PREFILL_COLS, width=10)
+        append_rows(a.json, rows)
+        return 0
     if a.topk_only:
         rows = run_topk(a.batch, a.context, topk=a.topk, iters=a.iters, flush=not a.no_flush)
         print_rows(rows, TOPK_COLS, width=10)
