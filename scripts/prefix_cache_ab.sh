@@ -2,7 +2,8 @@
 # Prefix caching on vs off, served (issue #22 measure): `glm-ray serve` the model twice (cache on, then
 # --no-enable-prefix-caching), `glm-ray bench` sglang's generated-shared-prefix workload against each, then
 # the TTFT / throughput ratio. Defaults: the tiny model on CPU, 8 groups x 1024-token prefix x 8 questions of
-# 32 tokens, output 16, C=4. On the H200: MODEL=<dir> EXTRA="--load-format dummy --device cuda"
+# 32 tokens, output 16, C=4. Each lifetime first runs a discarded 2-group warm-up of the same shape (WARM=0:
+# none). On the H200: MODEL=<dir> EXTRA="--load-format dummy --device cuda"
 # GSP="--gsp-num-groups 32 --gsp-prompts-per-group 16 --gsp-system-prompt-len 2048 --gsp-question-len 128
 # --gsp-output-len 128" C=16.
 #   bash scripts/prefix_cache_ab.sh        (results under ${OUT:-results/prefix-cache})
@@ -15,6 +16,10 @@ for mode in on off; do
   $GLMRAY serve $MODEL $EXTRA $flag --port $PORT --metrics-port $((PORT + 1)) > $OUT/serve_$mode.log 2>&1 &
   server=$!
   for i in $(seq 1 150); do curl -sf 127.0.0.1:$PORT/v1/models > /dev/null && break; sleep 2; done
+  # warm-up, discarded: the same workload shape with other prefixes (2 groups, another seed), so neither
+  # lifetime pays first-use costs (kernel compiles, allocator growth) inside its measured run
+  [ "${WARM:-1}" = 1 ] && $GLMRAY bench --base-url http://127.0.0.1:$PORT --dataset-name generated-shared-prefix $GSP \
+     --gsp-num-groups 2 --seed 7 --max-concurrency $C --no-progress > $OUT/warmup_$mode.txt 2>&1
   $GLMRAY bench --base-url http://127.0.0.1:$PORT --dataset-name generated-shared-prefix $GSP \
      --max-concurrency $C --tag prefix_cache=$mode --output-file $OUT/gsp_$mode.jsonl --no-progress > $OUT/bench_$mode.txt 2>&1
   sleep 12       # one metrics export interval of Ray's, then the replica's prefix-cache counters
@@ -31,7 +36,7 @@ print(f"prefix cache hit rate (on), usage.cached_tokens: {r['on'].get('prefix_ca
       f"({r['on'].get('total_cached_tokens')} cached prompt tokens; off: {r['off'].get('total_cached_tokens')})")
 q, h = total("ray_glm_ray_prefix_cache_queries_total"), total("ray_glm_ray_prefix_cache_hits_total")
 if q:     # Ray's metrics export (absent where the metrics agent does not run, e.g. the GPU machine)
-    print(f"prefix cache hit rate (on), metrics: {h / q:.3f}  (hits {h:.0f} / queries {q:.0f} prompt tokens)")
+    print(f"prefix cache hit rate (on), metrics incl. the warm-up: {h / q:.3f}  (hits {h:.0f} / queries {q:.0f})")
 for k in ("mean_ttft_ms", "median_ttft_ms", "mean_e2e_latency_ms", "output_throughput", "request_throughput"):
     a, b = r["on"].get(k), r["off"].get(k)
     if a and b:
