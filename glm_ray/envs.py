@@ -125,6 +125,10 @@ CUDA_INDEXER_TOPK: EnvVar[str] = EnvVar(
 LOG_TRITON_COMPILES: EnvVar[bool] = EnvVar(
     "GLM_RAY_LOG_TRITON_COMPILES", _bool, False, "cuda backend: log every Triton JIT compile (kernel, "
     "seconds, specialization; kernels/cuda/compile_log.py): a compile inside a step stalls it for seconds", "bool")
+KERNEL_WARMUP: EnvVar[str] = EnvVar(
+    "GLM_RAY_KERNEL_WARMUP", _choice("auto", "on", "off"), "auto", "start-up: each rank runs three eager "
+    "steps shaped like prefill / chunked prefill / a mixed step past index_topk so their kernels compile "
+    "before the first request (worker/warmup.py); auto = on a GPU only", "auto|on|off")
 STEP_TIMEOUT_S: EnvVar[float] = EnvVar(
     "GLM_RAY_STEP_TIMEOUT_S", _positive_float, 600.0, "serving: an engine step running longer than this "
     "fails the engine (its streams end with a 503, health fails, Serve replaces the replica): a rank "
@@ -148,7 +152,8 @@ LOG_LEVEL: EnvVar[str] = EnvVar(
 
 ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_THREADS, ORCHESTRATION,
                            TIME_COLLECTIVES, STEP_TIMELINE, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
-                           CUDA_MOE_DECODE_PAIRS, CUDA_INDEXER_TOPK, LOG_TRITON_COMPILES, STEP_TIMEOUT_S, FAULT_INJECTION,
+                           CUDA_MOE_DECODE_PAIRS, CUDA_INDEXER_TOPK, LOG_TRITON_COMPILES, KERNEL_WARMUP,
+                           STEP_TIMEOUT_S, FAULT_INJECTION,
                            TEST_FORCED_OUTPUT, GRAMMAR_THREADS, GRAMMAR_CACHE_MB, LOG_LEVEL)
 
 

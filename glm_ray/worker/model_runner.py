@@ -37,6 +37,7 @@ from glm_ray.engine.structured import GrammarRuntime, RequestGrammar, tokenizer_
 from glm_ray.engine.tokenizer import load_tokenizer
 from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables
 from glm_ray.layers.indexer import Indexer
+from glm_ray.worker import warmup
 from glm_ray.worker.cache import allocate_caches, kv_bytes_per_token
 from glm_ray.worker.cuda_graph import DecodeGraphs
 from glm_ray.worker.faults import FaultInjector, classify
@@ -109,6 +110,11 @@ class ModelRunner:
         self.timeline = StepTimeline(device) if envs.STEP_TIMELINE.get() else None   # measurement only
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB per rank)", num_blocks, self.block_size,
                     num_blocks * self.block_size * kv_bytes_per_token(model_cfg, model_cfg.dtype) / 2**20)
+        if warmup.enabled(device):                  # eager paths' kernels compile now, not in a user's step
+            try:
+                warmup.warm_up(self, num_blocks, graph_max_context(cfg, model_cfg, num_blocks * self.block_size))
+            except Exception:  # noqa: BLE001 - an optimization: serve without it rather than not at all
+                logger.exception("kernel warm-up failed; the first requests compile what they need")
         self.graphs: DecodeGraphs | None = self._capture_graphs(num_blocks) if use_graphs else None
         self.num_graph_steps = 0                                                # decode steps replayed
         # async scheduling: the last launch's sampled tokens (device) and rows, and the launch not collected

@@ -1,0 +1,71 @@
+"""Start-up warm-up of the eager step paths (on a GPU), so their kernels compile before the first request.
+
+A Triton kernel compiles on its first launch with a new specialization, and the eager paths of a step —
+prefill, chunked prefill after a cached prefix, a mixed step, a decode row whose context passed the DSA
+`index_topk` (the indexer's top-k selection instead of dense attention) — each launch kernels that pure
+decode (captured in CUDA graphs at start-up) never does. Without a warm-up those compiles land inside the
+first users' steps: seconds of TTFT. Here each rank runs, before graph capture, three eager forwards
+shaped like those paths (the same sequence on every rank, so a TP group's collectives pair up):
+
+1. a fresh prompt one block longer than `index_topk` (its last queries select: sparse prefill);
+2. a one-block chunk after that prompt (a cached prefix);
+3. a mixed step: that sequence decoding one token (context past index_topk) beside a fresh one-block prompt.
+
+They write KV (and recurrent state) only to the first cache blocks and state rows, which no request holds
+yet; nothing reads those contents before a request overwrites them. `GLM_RAY_KERNEL_WARMUP`: auto (on a GPU
+only), on, off. A failure is logged and serving goes on: the warm-up is an optimization.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from glm_ray import envs
+from glm_ray.forward_batch import build_forward_batch
+
+logger = logging.getLogger(__name__)
+
+
+def warmup_plan(index_topk: int | None, block_size: int, max_len: int, num_blocks: int) -> list[tuple]:
+    """The steps as (query_lens, context_lens, block tables) over the first cache blocks; [] when the
+    cache or max_len is too small for them."""
+    long = (index_topk or block_size) + block_size                   # past index_topk by one block
+    long = min(long, max_len - block_size - 1)
+    if long < 1:
+        return []
+    nb_a = -(-(long + block_size + 1) // block_size)                 # sequence A: prompt + chunk + 1 token
+    if nb_a + 1 > num_blocks:
+        return []
+    a, b = list(range(nb_a)), [nb_a]                                  # block tables of A and B
+    return [([long], [long], [a]),                                    # 1. fresh prompt
+            ([block_size], [long + block_size], [a]),                 # 2. a chunk after a cached prefix
+            ([1, block_size], [long + block_size + 1, block_size], [a, b])]   # 3. mixed: decode A + prompt B
+
+
+def enabled(device: torch.device) -> bool:
+    mode = envs.KERNEL_WARMUP.get()
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+@torch.inference_mode()
+def warm_up(runner, num_blocks: int, max_len: int) -> int:
+    """Run the plan's eager forwards (and logits) on `runner`'s model and caches; returns the steps run."""
+    plan = warmup_plan(runner.model_cfg.index_topk if runner.model_cfg.has_indexer else None,
+                       runner.block_size, max_len, num_blocks)
+    if not plan:
+        logger.info("kernel warm-up skipped: the KV cache or max_model_len is too small for it")
+        return 0
+    t0 = time.perf_counter()
+    for qlens, clens, tables in plan:
+        ids = (torch.arange(sum(qlens)) % 97 + 3).to(runner.device)                     # [T]
+        batch = build_forward_batch(qlens, clens, tables, runner.block_size, runner.device, runner.cfg.mla_mode,
+                                    list(range(len(qlens))))
+        hidden = runner.model(ids, batch, runner.kv_caches, runner.index_caches, runner.state_caches)   # [T, D]
+        ends = torch.tensor(qlens, device=runner.device).cumsum(0) - 1
+        runner.model.compute_logits(hidden[ends])                                        # [B, V]
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    logger.info("kernel warm-up: %d eager steps in %.1f s", len(plan), time.perf_counter() - t0)
+    return len(plan)
