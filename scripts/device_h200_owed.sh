@@ -14,7 +14,7 @@ set -uo pipefail
 source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; PART=${PART:-all}
 if [ $PART = all ] || [ $PART = tests ]; then
   echo "== gpu tests" >> $S
-  for f in ${TESTS:-tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_mla_prefill.py tests/gpu/test_cuda_indexer.py}; do
+  for f in ${TESTS:-tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_mla_prefill.py tests/gpu/test_cuda_indexer.py tests/gpu/test_warmup_compiles.py}; do
     timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider $f > $OUT/t.log 2>&1
     echo "$(basename $f) rc=$? $(tail -1 $OUT/t.log)" >> $S
     grep -E "^(FAILED|ERROR|E  )" $OUT/t.log | cut -c1-300 | head -30 >> $S; cat $OUT/t.log >> $OUT/gpu_tests.log
