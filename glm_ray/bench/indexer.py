@@ -32,6 +32,9 @@ import torch
 
 from glm_ray.bench.gpu_timing import graph_replay_us
 from glm_ray.bench.table import append_rows, print_rows
+from glm_ray.forward_batch import build_forward_batch
+from glm_ray.kernels.torch_ref.indexer import SCORE_BYTES
+from glm_ray.kernels.torch_ref.indexer import indexer_topk as ref_topk
 
 HBM_TBPS = 4.2
 COLS = ["B", "context", "scores_us", "topk_us", "total_us", "MB", "TB/s", "frac_4.2"]
@@ -133,9 +136,6 @@ def _eager_us(fn, iters: int) -> float:
 def run_prefill(shapes: list[tuple[int, int]], *, heads: int = 32, head_dim: int = 128, block_size: int = 64,
                 topk: int = 2048, iters: int = 10) -> list[dict]:
     """`indexer_prefill_topk` vs the torch reference on B fresh L-token prompts (one prefill group)."""
-    from glm_ray.forward_batch import build_forward_batch  # noqa: PLC0415
-    from glm_ray.kernels.torch_ref.indexer import SCORE_BYTES  # noqa: PLC0415
-    from glm_ray.kernels.torch_ref.indexer import indexer_topk as ref_topk  # noqa: PLC0415
     K = _kernels()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
