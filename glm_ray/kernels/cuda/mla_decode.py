@@ -22,7 +22,9 @@ CUDA graphs: the grid, num_splits and every constexpr derive from SHAPES only (B
 block_size or K); context lengths, block tables and indices are read on the device, so a captured
 launch stays right when their values change. A dense split covers ceil(ctx / num_splits) keys of its
 own sequence rounded up to BLOCK_N (short sequences do not leave most splits idle); sparse splits
-cover fixed K / num_splits index ranges.
+cover fixed K / num_splits index ranges. num_splits is a runtime argument, not a constexpr: outside graphs
+(the decode rows of a mixed step) it changes with B and the block-table width, and as a constexpr every
+new value compiled both kernels again inside a step.
 
 Under `TRITON_INTERPRET=1` (CPU tests) dot operands are upcast to fp32 (the interpreter's bf16 dot is
 garbage, numpy has no bf16); the test-only oracle `mla_decode_reference` is plain torch.
@@ -87,13 +89,13 @@ def default_num_splits(batch: int, h: int, D: int, key_range: int, block_h: int 
 # kernels
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])   # a runtime value: eager decode groups vary it (cuda/__init__)
 def _mla_split_kernel(q_ptr, kv_ptr, bt_ptr, cl_ptr, idx_ptr, o_ptr, lse_ptr,
                       H, K_IDX, qk_scale,
                       stride_qb, stride_qh, stride_kv, stride_btb, stride_idxb,
                       stride_ob, stride_oh, stride_os,
                       R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, NUM_SPLITS, BLOCK_H: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr,
                       INTERP: tl.constexpr):
     hb = tl.program_id(0)
@@ -168,9 +170,9 @@ def _mla_split_kernel(q_ptr, kv_ptr, bt_ptr, cl_ptr, idx_ptr, o_ptr, lse_ptr,
         tl.store(lse_ptr + (b * H + heads) * NUM_SPLITS + split, lse, mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])   # SPLITS_P2 (a power of two <= MAX_SPLITS) stays constexpr
 def _mla_merge_kernel(part_ptr, lse_ptr, out_ptr, H, stride_ob, stride_oh,
-                      R: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+                      R: tl.constexpr, NUM_SPLITS, SPLITS_P2: tl.constexpr,
                       CHUNK: tl.constexpr, BLOCK_R: tl.constexpr):
     row = tl.program_id(0)                                                    # b * H + head
     rt = tl.program_id(1)
@@ -186,7 +188,7 @@ def _mla_merge_kernel(part_ptr, lse_ptr, out_ptr, H, stride_ob, stride_oh,
     d_ok = d < R
     acc = tl.zeros([BLOCK_R], tl.float32)
     part_row = part_ptr + row.to(tl.int64) * NUM_SPLITS * R
-    for s0 in range(0, NUM_SPLITS, CHUNK):                                    # constexpr trip count
+    for s0 in range(0, NUM_SPLITS, CHUNK):
         s = s0 + tl.arange(0, CHUNK)                                          # [CHUNK]
         ls = tl.load(lse_row + s, mask=s < NUM_SPLITS, other=float("-inf"))
         w = tl.exp2(ls - m)                                                   # 0 for empty splits
