@@ -126,9 +126,9 @@ LOG_TRITON_COMPILES: EnvVar[bool] = EnvVar(
     "GLM_RAY_LOG_TRITON_COMPILES", _bool, False, "cuda backend: log every Triton JIT compile (kernel, "
     "seconds, specialization; kernels/cuda/compile_log.py): a compile inside a step stalls it for seconds", "bool")
 KERNEL_WARMUP: EnvVar[str] = EnvVar(
-    "GLM_RAY_KERNEL_WARMUP", _choice("auto", "on", "off"), "auto", "start-up: each rank runs three eager "
-    "steps shaped like prefill / chunked prefill / a mixed step past index_topk so their kernels compile "
-    "before the first request (worker/warmup.py); auto = on a GPU only", "auto|on|off")
+    "GLM_RAY_KERNEL_WARMUP", _choice("auto", "on", "off"), "auto", "start-up: each rank runs up to five eager "
+    "steps shaped like prefill / chunked prefill / a mixed step past index_topk / mid-size prompts so "
+    "their kernels compile before the first request (worker/warmup.py); auto = on a GPU only", "auto|on|off")
 STEP_TIMEOUT_S: EnvVar[float] = EnvVar(
     "GLM_RAY_STEP_TIMEOUT_S", _positive_float, 600.0, "serving: an engine step running longer than this "
     "fails the engine (its streams end with a 503, health fails, Serve replaces the replica): a rank "

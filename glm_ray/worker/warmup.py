@@ -4,12 +4,14 @@ A Triton kernel compiles on its first launch with a new specialization, and the 
 prefill, chunked prefill after a cached prefix, a mixed step, a decode row whose context passed the DSA
 `index_topk` (the indexer's top-k selection instead of dense attention) — each launch kernels that pure
 decode (captured in CUDA graphs at start-up) never does. Without a warm-up those compiles land inside the
-first users' steps: seconds of TTFT. Here each rank runs, before graph capture, three eager forwards
+first users' steps: seconds of TTFT. Here each rank runs, before graph capture, up to five eager forwards
 shaped like those paths (the same sequence on every rank, so a TP group's collectives pair up):
 
 1. a fresh prompt one block longer than `index_topk` (its last queries select: sparse prefill);
 2. a one-block chunk after that prompt (a cached prefix);
-3. a mixed step: that sequence decoding one token (context past index_topk) beside a fresh one-block prompt.
+3. a mixed step: that sequence decoding one token (context past index_topk) beside a fresh one-block prompt;
+4. fresh prompts of 8 and 16 blocks: mid-size prefills, whose rows per expert pick the grouped MoE's other
+   tile classes (e.g. 512 tokens: 32 rows per expert at 64 experts x top-4; 1024: at 256 x top-8).
 
 They write KV (and recurrent state) only to the first cache blocks and state rows, which no request holds
 yet; nothing reads those contents before a request overwrites them. `GLM_RAY_KERNEL_WARMUP`: auto (on a GPU
@@ -30,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 def warmup_plan(index_topk: int | None, block_size: int, max_len: int, num_blocks: int) -> list[tuple]:
     """The steps as (query_lens, context_lens, block tables) over the first cache blocks; [] when the
-    cache or max_len is too small for them."""
+    cache or max_len is too small for the first three (the mid-size prompts only where they fit)."""
     long = (index_topk or block_size) + block_size                   # past index_topk by one block
     long = min(long, max_len - block_size - 1)
     if long < 1:
@@ -39,9 +41,14 @@ def warmup_plan(index_topk: int | None, block_size: int, max_len: int, num_block
     if nb_a + 1 > num_blocks:
         return []
     a, b = list(range(nb_a)), [nb_a]                                  # block tables of A and B
-    return [([long], [long], [a]),                                    # 1. fresh prompt
+    plan = [([long], [long], [a]),                                    # 1. fresh prompt
             ([block_size], [long + block_size], [a]),                 # 2. a chunk after a cached prefix
             ([1, block_size], [long + block_size + 1, block_size], [a, b])]   # 3. mixed: decode A + prompt B
+    for nb_c in (8, 16):                                              # 4. mid-size fresh prompts (sequence C)
+        if nb_c * block_size <= max_len and nb_a + 1 + nb_c <= num_blocks:
+            n = nb_c * block_size
+            plan.append(([n], [n], [list(range(nb_a + 1, nb_a + 1 + nb_c))]))
+    return plan
 
 
 def enabled(device: torch.device) -> bool:

@@ -11,11 +11,15 @@ from tests import flash_tiny
 
 def test_plan_covers_the_eager_paths():
     plan = warmup.warmup_plan(index_topk=64, block_size=16, max_len=4096, num_blocks=100)
-    (q1, c1, t1), (q2, c2, t2), (q3, c3, t3) = plan
+    (q1, c1, t1), (q2, c2, t2), (q3, c3, t3), (q4, c4, t4), (q5, c5, t5) = plan
     assert q1 == c1 == [80] and c1[0] > 64                             # a fresh prompt past index_topk
     assert q2 == [16] and c2 == [96] and t2 == t1                      # a chunk after a cached prefix
     assert q3 == [1, 16] and c3 == [97, 16] and t3[0] == t1[0]         # decode past index_topk + a prompt
     assert len(t1[0]) * 16 >= 97 and not set(t3[0]) & set(t3[1])        # its blocks hold it; B's are its own
+    assert q4 == c4 == [128] and q5 == c5 == [256]                     # mid-size prompts (8, 16 blocks)
+    a, b, c = set(t1[0]), set(t3[1]), set(t5[0])                       # sequences A, B, C: own blocks
+    assert not (a & b or a & c or b & c) and set(t4[0]) <= c and len(c) * 16 >= 256 and max(c) < 100
+    assert len(warmup.warmup_plan(64, 16, 4096, num_blocks=12)) == 3    # no room for the mid-size prompts
     assert warmup.warmup_plan(64, 16, 4096, num_blocks=5) == []        # cache too small: skipped
     assert warmup.warmup_plan(None, 16, 4096, 100)[0][0] == [32]       # no indexer: two blocks
 
@@ -42,7 +46,7 @@ def test_warm_up_leaves_outputs_unchanged(model, tiny_dir, tmp_path, monkeypatch
     cold = _outputs(path, monkeypatch, "off")
     assert ran == []
     warm = _outputs(path, monkeypatch, "on")
-    assert ran == [3]                                                   # the three steps ran
+    assert ran == [5]                                                   # the five planned steps ran
     for (ta, la), (tb, lb) in zip(cold, warm):
         assert ta == tb
         for x, y in zip(la, lb):
