@@ -34,6 +34,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from glm_ray.bench.gpu_timing import PEAK_BF16_TFLOPS
 from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.forward_batch import build_forward_batch
 from glm_ray.kernels.cuda.mla_decode import default_num_splits, mla_decode_paged
@@ -52,7 +53,6 @@ R, DR = 512, 64
 D = R + DR
 SPARSE_K = 2048
 REF_MAX_BYTES = 1 << 30
-PEAK_BF16_TFLOPS = 989.0             # H200 SXM datasheet, dense BF16 (no sparsity)
 PREFILL_DIMS = {"glm5": (192, 64, 256), "glm53": (256, 0, 256)}   # (qk_nope, qk_rope, v): GLM-5 / 5.3-Flash
 
 

@@ -1,10 +1,13 @@
-"""Kernel timing shared by the decode-kernel benchmarks: one CUDA-graph replay per measurement (what a
-decode step pays: no Python launch cost), optionally with the L2 evicted first."""
+"""Kernel timing shared by the kernel benchmarks: one CUDA-graph replay per measurement (what a decode
+step pays: no Python launch cost), optionally with the L2 evicted first; or eager calls (`eager_us`: what
+an eager prefill step pays, launches included)."""
 from __future__ import annotations
 
 import statistics
 
 import torch
+
+PEAK_BF16_TFLOPS = 989.0             # H200 SXM datasheet, dense BF16 (no sparsity): the prefill benches' peak
 
 
 def graph_replay_us(fn, iters: int, flush: torch.Tensor | None) -> float:
@@ -26,6 +29,22 @@ def graph_replay_us(fn, iters: int, flush: torch.Tensor | None) -> float:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def eager_us(fn, iters: int) -> float:
+    """Median microseconds of one eager call of `fn` (CUDA events around it; two warm-up calls first;
+    the L2 stays warm)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)

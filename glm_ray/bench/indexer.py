@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 
-from glm_ray.bench.gpu_timing import graph_replay_us
+from glm_ray.bench.gpu_timing import PEAK_BF16_TFLOPS, eager_us, graph_replay_us
 from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.forward_batch import build_forward_batch
 from glm_ray.kernels.torch_ref.indexer import SCORE_BYTES
@@ -114,22 +114,6 @@ def run_topk(batches: list[int], contexts: list[int], *, topk: int = 2048, iters
 
 
 PREFILL_COLS = ["B", "L", "rows", "us", "TFLOPS", "peak_ratio", "ref_us", "speedup"]
-PEAK_BF16_TFLOPS = 989.0
-
-
-def _eager_us(fn, iters: int) -> float:
-    """Median CUDA-event time of fn() over iters calls (after two warm-up calls)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 @torch.inference_mode()
@@ -148,8 +132,8 @@ def run_prefill(shapes: list[tuple[int, int]], *, heads: int = 32, head_dim: int
         qi = torch.randn(B * L, heads, head_dim, generator=g, device=dev)
         w = torch.randn(B * L, heads, generator=g, device=dev) * heads ** -0.5
         (group,) = build_forward_batch([L] * B, [L] * B, tables, block_size, dev).groups
-        t = _eager_us(partial(K.indexer_prefill_topk, qi, w, key_cache, group, topk, max_bytes=SCORE_BYTES), iters)
-        t_ref = _eager_us(partial(ref_topk, qi, w, key_cache, group, topk), max(2, iters // 3))
+        t = eager_us(partial(K.indexer_prefill_topk, qi, w, key_cache, group, topk, max_bytes=SCORE_BYTES), iters)
+        t_ref = eager_us(partial(ref_topk, qi, w, key_cache, group, topk), max(2, iters // 3))
         tflops = B * L * (L + 1) / 2 * heads * head_dim * 2 / (t * 1e-6) / 1e12
         rows.append({"bench": "indexer_prefill", "B": B, "L": L, "rows": B * L, "heads": heads, "head_dim": head_dim,
                      "topk": topk, "topk_impl": K.TOPK_IMPL, "us": t, "TFLOPS": tflops,

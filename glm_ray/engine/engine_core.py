@@ -77,14 +77,13 @@ def _timeline(steps) -> dict:
     """Medians of the device-side marks (GLM_RAY_STEP_TIMELINE): the step's device time, the device's
     idle gap before it, and the share of the step that gap is."""
     dev = [s.worker_timings["device"] for s in steps if "device" in s.worker_timings]
-    gaps = [s.worker_timings["gap"] for s in steps if "gap" in s.worker_timings]
     if not dev:
         return {}
     out = {"device_ms": statistics.median(dev) * 1e3}
-    if gaps:
-        out["gap_ms"] = statistics.median(gaps) * 1e3
-        out["gap_share"] = statistics.median(g / s.step_s for s in steps if "gap" in s.worker_timings and s.step_s
-                                             for g in (s.worker_timings["gap"],))
+    gapped = [s for s in steps if "gap" in s.worker_timings]
+    if gapped:
+        out["gap_ms"] = statistics.median(s.worker_timings["gap"] for s in gapped) * 1e3
+        out["gap_share"] = statistics.median(s.worker_timings["gap"] / s.step_s if s.step_s else 0.0 for s in gapped)
     return out
 
 
