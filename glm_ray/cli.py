@@ -148,13 +148,18 @@ def cmd_serve(a) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        print("stopping glm-ray ...", flush=True)
+        pass
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # a second Ctrl-C / SIGTERM (a supervisor repeating its signal) must not cut the shutdown short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("stopping glm-ray ...", flush=True)
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     return 0
 
 

@@ -49,6 +49,13 @@ def _positive_float(raw: str) -> float:
     return v
 
 
+def _nonneg_float(raw: str) -> float:
+    v = float(raw)
+    if not v >= 0:
+        raise ValueError("expected a number >= 0")
+    return v
+
+
 def _names(raw: str) -> frozenset[str]:
     return frozenset(n.strip() for n in raw.split(",") if n.strip())
 
@@ -146,6 +153,10 @@ GRAMMAR_THREADS: EnvVar[int | None] = EnvVar(
 GRAMMAR_CACHE_MB: EnvVar[int] = EnvVar(
     "GLM_RAY_GRAMMAR_CACHE_MB", _positive_int, 256, "structured outputs: memory for compiled grammars kept "
     "for reuse (least recently used evicted)", "int")
+LOG_STATS_INTERVAL_S: EnvVar[float] = EnvVar(
+    "GLM_RAY_LOG_STATS_INTERVAL_S", _nonneg_float, 10.0, "serving: seconds between the engine's stats lines "
+    "in the log (throughput, gauges, decode and prefill/mixed step medians; engine/stats_log.py; vLLM: "
+    "VLLM_LOG_STATS_INTERVAL); 0 = off", "float")
 LOG_LEVEL: EnvVar[str] = EnvVar(
     "GLM_RAY_LOG_LEVEL", _choice("DEBUG", "INFO", "WARNING", "ERROR"), "INFO", "log level of the `glm-ray` "
     "command")
@@ -154,7 +165,7 @@ ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_TH
                            TIME_COLLECTIVES, STEP_TIMELINE, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
                            CUDA_MOE_DECODE_PAIRS, CUDA_INDEXER_TOPK, LOG_TRITON_COMPILES, KERNEL_WARMUP,
                            STEP_TIMEOUT_S, FAULT_INJECTION,
-                           TEST_FORCED_OUTPUT, GRAMMAR_THREADS, GRAMMAR_CACHE_MB, LOG_LEVEL)
+                           TEST_FORCED_OUTPUT, GRAMMAR_THREADS, GRAMMAR_CACHE_MB, LOG_STATS_INTERVAL_S, LOG_LEVEL)
 
 
 # Not forwarded to the rank actors: they do not use it, and Ray records an actor's runtime_env in its logs.

@@ -9,19 +9,21 @@ source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; SCHED=${SCHED:-as
 MDIR=$(python3 -c "from pathlib import Path; from glm_ray.bench.decode import model_dir_for; print(model_dir_for('glm5-flash-31b', 'fp8', Path('/tmp/models')))")
 FLAG=""; [ "$SCHED" = async ] && FLAG=--async-scheduling
 echo "== served $MDIR ($SCHED)" >> $S
-timeout ${SERVE_LIM:-420} python3 -m glm_ray.cli serve "$MDIR" --load-format dummy --device cuda --dtype bfloat16 \
+GLM_RAY_LOG_STATS_INTERVAL_S=${STATS_S:-5} timeout ${SERVE_LIM:-420} python3 -m glm_ray.cli serve "$MDIR" --load-format dummy --device cuda --dtype bfloat16 \
    --max-num-seqs 64 --max-model-len 4096 --kv-cache-memory-gb 24 $FLAG --port $PORT > $OUT/serve.log 2>&1 &
 SERVER=$!; t0=$(date +%s)
 for i in $(seq 1 200); do curl -sf 127.0.0.1:$PORT/v1/models >/dev/null && break; grep -q "Traceback" $OUT/serve.log && break; sleep 2; done
 echo "ready after $(( $(date +%s) - t0 )) s" >> $S
 timeout ${BENCH_LIM:-200} python3 -m glm_ray.bench.cli --base-url http://127.0.0.1:$PORT --dataset-name random \
-   --random-input-len 1024 --random-output-len 256 --random-range-ratio 1 --max-concurrency 1 16 64 \
+   --random-input-len 1024 --random-output-len 256 --random-range-ratio 1 --max-concurrency ${CS:-1 16 64} \
    --tag sched=$SCHED --output-file $OUT/served_$SCHED.jsonl > $OUT/served_$SCHED.txt 2>&1; echo "bench rc=$?" >> $S
 grep -vE "INFO|WARNING" $OUT/served_$SCHED.txt | tail -40 >> $S
+echo "-- the engine's stats lines while serving (decode / prefill-mixed step medians: engine side of the ITL)" >> $S
+grep -o "engine: prompt.*" $OUT/serve.log | grep -v "generation 0.0 tok/s" | cut -c1-330 >> $S
 kill $SERVER 2>/dev/null; sleep 3; ray stop --force >/dev/null 2>&1; sleep 2
 echo "== offline ($SCHED)" >> $S
 timeout ${OFF_LIM:-200} python3 -m glm_ray.bench.offline "$MDIR" --load-format dummy --device cuda --dtype bfloat16 \
-   --batch 1 16 64 --input-len 1024 --output-len 256 --scheduling $SCHED --kv-cache-memory-bytes $((24 << 30)) \
+   --batch ${CS:-1 16 64} --input-len 1024 --output-len 256 --scheduling $SCHED --kv-cache-memory-bytes $((24 << 30)) \
    --json $OUT/offline_$SCHED.jsonl > $OUT/offline_$SCHED.log 2>&1; echo "offline rc=$?" >> $S
 grep -vE "INFO|WARNING|shards" $OUT/offline_$SCHED.log | tail -8 >> $S
 python3 "$(dirname "$0")/served_ratio.py" $OUT/served_$SCHED.jsonl $OUT/offline_$SCHED.jsonl >> $S 2>&1

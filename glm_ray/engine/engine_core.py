@@ -43,6 +43,7 @@ class StepStats:
     execute_s: float = 0.0          # wall time of executor.execute (model + transport)
     update_s: float = 0.0
     worker_timings: dict = field(default_factory=dict)
+    finished_at: float = 0.0        # time.monotonic() when its results were applied
 
     @property
     def step_s(self) -> float:
@@ -263,7 +264,7 @@ class EngineCore:
             num_prefill_tokens=sum(len(s.token_ids) for s in sched.seqs if len(s.token_ids) > 1 or not s.sample),
             num_decode_seqs=sum(1 for s in sched.seqs if len(s.token_ids) == 1 and s.sample),
             num_preempted=sched.num_preempted, schedule_s=schedule_s, execute_s=execute_s, update_s=update_s,
-            worker_timings=result.timings if result is not None else {})
+            worker_timings=result.timings if result is not None else {}, finished_at=time.monotonic())
         self.step_history.append(self.last_stats)
 
     def _update(self, sched: SchedulerOutput, result) -> list[TokenDelta]:

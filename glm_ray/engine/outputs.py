@@ -56,3 +56,19 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[LogprobDict | None] | None = None
     finished: bool = False
+
+
+def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
+    """`a` then `b` (the next delta of the same request) as one delta: what a stream consumer that fell
+    behind the engine takes in one chunk, as vLLM's output collector merges a slow client's backlog.
+    Neither may be an error delta; `a` is not finished (nothing follows a finished delta)."""
+    lps = None if a.new_logprobs is None and b.new_logprobs is None else \
+        (a.new_logprobs or []) + (b.new_logprobs or [])
+    return TokenDelta(
+        request_id=a.request_id, new_token_ids=a.new_token_ids + b.new_token_ids, new_text=a.new_text + b.new_text,
+        new_logprobs=lps, finished=b.finished, finish_reason=b.finish_reason, stop_reason=b.stop_reason,
+        num_prompt_tokens=b.num_prompt_tokens or a.num_prompt_tokens,
+        num_cached_tokens=b.num_cached_tokens or a.num_cached_tokens,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        error=b.error, error_type=b.error_type, arrival_time=a.arrival_time,
+        first_scheduled_time=a.first_scheduled_time if a.first_scheduled_time is not None else b.first_scheduled_time)

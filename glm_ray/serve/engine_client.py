@@ -21,6 +21,7 @@ from glm_ray.config import EngineConfig
 from glm_ray.engine.engine_core import EngineCore, validate_request
 from glm_ray.engine.errors import EngineOverloadedError, StepTimeoutError
 from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.engine.stats_log import StatsLogger
 from glm_ray.engine.tokenizer import load_tokenizer
 from glm_ray.serve.engine_host import Admission, EngineHostActor, StepBatch, engine_gauges, engine_stats, step_batch
 from glm_ray.worker.worker_group import RayWorkerGroup
@@ -50,6 +51,7 @@ class LocalEngine:
         self.engine = EngineCore(cfg, self.executor, load_tokenizer(model_path))
         self.max_model_len, self.vocab_size = self.engine.max_model_len, self.engine.model_cfg.vocab_size
         self.admission = Admission()
+        self.stats_log = StatsLogger(self.engine, envs.LOG_STATS_INTERVAL_S.get())
         self._wakeup = asyncio.Event()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._last_ok = time.monotonic()
@@ -98,6 +100,8 @@ class LocalEngine:
             deltas = await within_step_timeout(loop.run_in_executor(self._thread, self.engine.step))   # raises: dead
             self._last_ok = time.monotonic()
             send(step_batch(self.engine, deltas, {}))
+            self.stats_log.on_step(deltas)
+            self.stats_log.maybe_log()
 
     async def health(self) -> None:
         if not self.engine.has_unfinished() and not self.admission.pending() and time.monotonic() - self._last_ok > 5:

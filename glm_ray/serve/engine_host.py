@@ -24,6 +24,7 @@ from glm_ray.engine.engine_core import EngineCore, summarize_steps
 from glm_ray.engine.errors import StepTimeoutError
 from glm_ray.engine.outputs import TokenDelta
 from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.engine.stats_log import StatsLogger
 from glm_ray.engine.tokenizer import load_tokenizer
 from glm_ray.worker.executor import LocalExecutor
 from glm_ray.worker.worker_group import RankActor
@@ -142,6 +143,7 @@ class EngineHost(RankActor):
             executor = LocalExecutor(self.cfg, worker=self.worker, num_blocks=num_blocks)
         self.engine = EngineCore(self.cfg, executor, load_tokenizer(tokenizer_path) if tokenizer_path else None)
         self.admission = Admission()
+        self.stats_log = StatsLogger(self.engine, envs.LOG_STATS_INTERVAL_S.get())
         self._wake = threading.Event()
         self._out: queue.Queue = queue.Queue()
         self._dead: BaseException | None = None
@@ -216,6 +218,8 @@ class EngineHost(RankActor):
                 batch = step_batch(self.engine, deltas, rejected)
                 self._out.put(batch)
                 last, shown = time.monotonic(), batch.gauges
+                self.stats_log.on_step(deltas)
+                self.stats_log.maybe_log()
         except BaseException as e:  # noqa: BLE001 - an executor failure: the engine is dead
             logger.exception("engine loop failed")
             self._dead = e

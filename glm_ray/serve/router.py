@@ -17,7 +17,7 @@ from ray.serve.config import RequestRouterConfig
 
 from glm_ray.config import make_engine_config
 from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, request_failure
-from glm_ray.engine.outputs import TokenDelta
+from glm_ray.engine.outputs import TokenDelta, merge_deltas
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.serve import affinity_router
 from glm_ray.serve.args import ServeArgs
@@ -31,13 +31,33 @@ _DEAD_MESSAGE = "the engine stopped (a worker failed); the server is restarting 
 
 
 class _Stream:
-    __slots__ = ("queue", "arrival", "first", "last", "n")
+    __slots__ = ("queue", "held", "arrival", "first", "last", "n")
 
     def __init__(self):
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.held: TokenDelta | BaseException | None = None    # taken from the queue, not merged: next
         self.arrival = time.monotonic()
         self.first = self.last = None
         self.n = 0
+
+    async def next(self) -> TokenDelta | BaseException:
+        """The next item; when the consumer fell behind (more deltas queued), the backlog merged into one
+        delta: a slow stream takes several tokens per chunk instead of slowing every stream's steps."""
+        if self.held is not None:
+            d, self.held = self.held, None
+        else:
+            d = await self.queue.get()
+        while _mergeable(d) and not self.queue.empty():
+            nxt = self.queue.get_nowait()
+            if not isinstance(nxt, TokenDelta) or nxt.finish_reason == "error":
+                self.held = nxt
+                break
+            d = merge_deltas(d, nxt)
+        return d
+
+
+def _mergeable(d) -> bool:
+    return isinstance(d, TokenDelta) and not d.finished and d.finish_reason != "error"
 
 
 class Router:
@@ -78,7 +98,7 @@ class Router:
         finished = False
         try:
             while True:
-                d: TokenDelta | BaseException = await stream.queue.get()
+                d = await stream.next()
                 if isinstance(d, BaseException):
                     raise d
                 if d.finish_reason == "error":         # this request failed in a step; the engine goes on

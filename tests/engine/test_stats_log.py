@@ -1,0 +1,60 @@
+"""The periodic engine stats line (engine/stats_log.py) over a real engine's steps: its counts are the
+engine's own (prompt tokens scheduled, tokens emitted, decode vs prefill/mixed steps) and its step
+medians come from the steps' finish times; nothing is logged before an interval has passed or when
+no step ran in it."""
+from __future__ import annotations
+
+import logging
+import re
+
+from glm_ray import LLM, SamplingParams
+from glm_ray.engine.stats_log import StatsLogger
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_stats_line_counts_the_engines_steps(tiny_dir, caplog):
+    llm = LLM(tiny_dir, dtype="float32")
+    eng = llm.engine
+    clock = _Clock()
+    log = StatsLogger(eng, interval_s=10.0, clock=clock)
+    clock.t = 1.0
+    assert log.maybe_log() is None                              # interval not reached
+    prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(3)]
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    emitted = 0
+    while eng.has_unfinished():
+        deltas = eng.step()
+        log.on_step(deltas)
+        emitted += sum(len(d.new_token_ids) for d in deltas)
+    steps = list(eng.step_history)
+    decode = [s for s in steps[1:] if s.num_decode_seqs == s.num_tokens > 0]
+    other = [s for s in steps[1:] if not (s.num_decode_seqs == s.num_tokens > 0)]
+    # a 10 s window that holds every step (their finish times are real monotonic stamps)
+    log._since = min(s.finished_at for s in steps) - 1e-6
+    clock.t = log._since + 10.0
+    with caplog.at_level(logging.INFO, logger="glm_ray.engine.stats_log"):
+        line = log.maybe_log()
+    assert line is not None and line in caplog.text
+    assert emitted == 3 * 6
+    assert f"prompt {sum(len(p) for p in prompts) / 10:.1f} tok/s" in line
+    assert f"generation {emitted / 10:.1f} tok/s" in line
+    assert "running 0, waiting 0, KV cache 0.0%" in line
+    assert f"{len(decode)} decode steps" in line and "median at batch 3" in line
+    if other:
+        assert f"{len(other)} prefill/mixed steps" in line
+    ms = float(re.search(r"decode steps: ([\d.]+) ms", line).group(1))
+    periods = sorted(b.finished_at - a.finished_at for a, b in zip(steps, steps[1:])
+                     if b.num_decode_seqs == b.num_tokens > 0)
+    assert min(periods) * 1e3 - 0.05 <= ms <= max(periods) * 1e3 + 0.05
+    # the next window: no step ran, nothing logged; a zero interval never logs
+    clock.t += 10.0
+    assert log.maybe_log() is None
+    assert StatsLogger(eng, interval_s=0.0, clock=clock).maybe_log() is None
