@@ -127,7 +127,7 @@ def run_prefill(shapes: list[tuple[int, int]], *, heads: int = 32, head_dim: int
     for B, L in shapes:
         nb = -(-L // block_size)
         key_cache = torch.randn(B * nb * block_size, head_dim, generator=g, device=dev).to(torch.bfloat16)
-        perm = torch.randperm(B * nb, generator=g).tolist()
+        perm = torch.randperm(B * nb, generator=torch.Generator().manual_seed(B * L)).tolist()   # host ids
         tables = [perm[i * nb:(i + 1) * nb] for i in range(B)]
         qi = torch.randn(B * L, heads, head_dim, generator=g, device=dev)
         w = torch.randn(B * L, heads, generator=g, device=dev) * heads ** -0.5

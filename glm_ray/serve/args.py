@@ -140,6 +140,11 @@ class ServeArgs:
     max_queued_requests: int = setting(
         1024, "waiting-queue bound of the engine; beyond it requests get 503 + Retry-After", scope=APP)
     ingress_replicas: int = setting(1, "replicas of the HTTP ingress deployment", scope=APP)
+    stream_batching_interval_ms: float = setting(
+        0.0, "after a stream's first token, send its tokens at most once per this many ms, merged (Ray Serve "
+             "LLM's experimental stream_batching_interval_ms, default 50 there): fewer, larger chunks through "
+             "the Router -> ingress -> proxy hops at high concurrency, for up to this much added latency per "
+             "chunk; 0 = every step (a lagging stream still gets its backlog merged)", scope=APP)
     router_cpus: float = setting(0.5, "CPUs reserved for each Router replica", scope=APP)
     router_replicas: int = setting(
         1, "Router replicas: model instances, each with its own GPUs and KV cache (a serve config's Router "
@@ -213,6 +218,7 @@ class ServeArgs:
              "none when kv_cache_memory_bytes is given (the same size in two units: give one)")
         need(self.max_queued_requests >= 0, "max_queued_requests", ">= 0")
         need(self.ingress_replicas >= 1, "ingress_replicas", ">= 1")
+        need(0 <= self.stream_batching_interval_ms <= 10_000, "stream_batching_interval_ms", "in [0, 10000]")
         need(self.router_cpus >= 0, "router_cpus", ">= 0")
         need(self.router_replicas >= 1, "router_replicas", ">= 1")
         need(0.0 <= self.prefix_affinity_min_match <= 1.0, "prefix_affinity_min_match", "in [0, 1]")

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi.responses import StreamingResponse
 
-from glm_ray.engine.outputs import TokenDelta
+from glm_ray.engine.outputs import TokenDelta, merge_deltas
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.serve.errors import map_exception
 from glm_ray.serve.protocol import APIError
@@ -141,11 +141,17 @@ class Fanout:
             self._buffer.append((s, d, err))
 
     async def items(self):
+        """(sub, delta, error) in arrival order; what queued up while the consumer was busy (a slow
+        client, a busy ingress) comes merged per sub-request, so a lagging stream renders one chunk for
+        its backlog instead of one per token."""
         while self._remaining > 0:
-            if self._buffer:
-                item = self._buffer.pop(0)
-            else:
-                item = await self.queue.get()
+            if not self._buffer:
+                self._buffer.append(await self.queue.get())
+            while not self.queue.empty():
+                self._buffer.append(self.queue.get_nowait())
+            if len(self._buffer) > 1:
+                self._buffer = coalesce(self._buffer)
+            item = self._buffer.pop(0)
             s, d, err = item
             if err is not None or d is None or d.finished:
                 self._remaining -= 1
@@ -191,6 +197,28 @@ class Fanout:
                     except Exception:  # noqa: BLE001
                         pass
                 self.abort(s.rid)
+
+
+def coalesce(items: list[tuple]) -> list[tuple]:
+    """Merge each sub-request's consecutive token deltas in `items` [(sub, delta, error)] into one
+    (`merge_deltas`), keeping every sub's order: an error, an end of stream (delta None) or an error
+    delta is never merged and nothing of that sub after it merges into what came before it."""
+    out: list[tuple] = []
+    open_at: dict[int, int] = {}                 # sub index -> position in `out` of its mergeable delta
+    for s, d, err in items:
+        ok = err is None and d is not None and d.finish_reason != "error"
+        j = open_at.get(s.index)
+        if ok and j is not None:
+            out[j] = (s, merge_deltas(out[j][1], d), None)
+            if d.finished:
+                del open_at[s.index]
+            continue
+        out.append((s, d, err))
+        if ok and not d.finished:
+            open_at[s.index] = len(out) - 1
+        else:
+            open_at.pop(s.index, None)
+    return out
 
 
 def pad_logprobs(lps: Optional[list], n: int) -> list:

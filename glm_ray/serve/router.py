@@ -31,7 +31,7 @@ _DEAD_MESSAGE = "the engine stopped (a worker failed); the server is restarting 
 
 
 class _Stream:
-    __slots__ = ("queue", "held", "arrival", "first", "last", "n")
+    __slots__ = ("queue", "held", "arrival", "first", "last", "n", "sent_at")
 
     def __init__(self):
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -39,20 +39,27 @@ class _Stream:
         self.arrival = time.monotonic()
         self.first = self.last = None
         self.n = 0
+        self.sent_at: float | None = None                       # when `next` last returned
 
-    async def next(self) -> TokenDelta | BaseException:
-        """The next item; when the consumer fell behind (more deltas queued), the backlog merged into one
-        delta: a slow stream takes several tokens per chunk instead of slowing every stream's steps."""
+    async def next(self, interval_s: float = 0.0) -> TokenDelta | BaseException:
+        """The next item. Tokens queued behind it (a consumer that fell behind) come merged into one
+        delta; with `interval_s` > 0, after the first item it also waits until `interval_s` has passed
+        since the last one it returned and merges what arrived meanwhile (stream batching)."""
         if self.held is not None:
             d, self.held = self.held, None
         else:
             d = await self.queue.get()
+        if interval_s > 0 and self.sent_at is not None and _mergeable(d):
+            wait = self.sent_at + interval_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
         while _mergeable(d) and not self.queue.empty():
             nxt = self.queue.get_nowait()
             if not isinstance(nxt, TokenDelta) or nxt.finish_reason == "error":
                 self.held = nxt
                 break
             d = merge_deltas(d, nxt)
+        self.sent_at = time.monotonic()
         return d
 
 
@@ -63,6 +70,7 @@ def _mergeable(d) -> bool:
 class Router:
     def __init__(self, args: dict | ServeArgs):
         self.args = args if isinstance(args, ServeArgs) else ServeArgs.from_dict(args)
+        self._batch_s = self.args.stream_batching_interval_ms / 1e3      # 0: every step
         a = self.args
         model = a.resolved_model()
         self.cfg = make_engine_config(model, max_waiting=a.max_queued_requests, **a.engine_kwargs())
@@ -98,7 +106,7 @@ class Router:
         finished = False
         try:
             while True:
-                d = await stream.next()
+                d = await stream.next(self._batch_s)
                 if isinstance(d, BaseException):
                     raise d
                 if d.finish_reason == "error":         # this request failed in a step; the engine goes on
