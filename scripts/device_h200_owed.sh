@@ -7,11 +7,16 @@
 #   PART=indexer  bench.indexer --prefill: the prefill indexer (a row per query token) vs the torch reference (#20 item 2)
 #   PART=mixed    scripts/profile_step.py on a mixed step (15 decoding + one 2048-cached + 128-new request):
 #                 step times, top ops and the Triton compiles inside the profiled steps (#22's TTFT stall)
-#   PART=all      tests, prefill, grammar, indexer, mixed
+#   PART=orch     bench.orchestration, TP1 in-process loop, async, batch 1 and 64: step, device time (CUDA events)
+#                 and the device's idle gap between steps (#19's gap < 0.1 ms / orchestration <= 3%); no Ray needed
+#   PART=firstuse profile_step.py --log-compiles: a fresh 1024-token prompt joining one decode after start-up
+#                 (the kernel warm-up's compiles, then any inside the first request's steps)
+#   PART=all      tests, prefill, grammar, indexer, mixed, orch, firstuse
 # Needs xgrammar importable (the engine imports it). The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
 # scripts/device_h200_served.sh with Ray and xgrammar importable (README, "Reproducing on a GPU machine without a package index").
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; PART=${PART:-all}
+MDIR=$(python3 -c "from pathlib import Path; from glm_ray.bench.decode import model_dir_for; print(model_dir_for('glm5-flash-31b', 'fp8', Path('/tmp/models')))")
 if [ $PART = all ] || [ $PART = tests ]; then
   echo "== gpu tests" >> $S
   for f in ${TESTS:-tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_mla_prefill.py tests/gpu/test_cuda_indexer.py tests/gpu/test_warmup_compiles.py}; do
@@ -40,9 +45,22 @@ if [ $PART = all ] || [ $PART = indexer ]; then
 fi
 if [ $PART = all ] || [ $PART = mixed ]; then
   echo "== profile_step.py mixed step (glm5-flash-31b fp8 dummy)" >> $S
-  MDIR=$(python3 -c "from pathlib import Path; from glm_ray.bench.decode import model_dir_for; print(model_dir_for('glm5-flash-31b', 'fp8', Path('/tmp/models')))")
-  timeout ${MIXED_LIM:-200} python3 scripts/profile_step.py $MDIR --load-format dummy --batch 15 --prefix 2048 \
+    timeout ${MIXED_LIM:-200} python3 scripts/profile_step.py $MDIR --load-format dummy --batch 15 --prefix 2048 \
      --prefill 128 --kv-cache-gb 8 --rows 40 > $OUT/profile_mixed.txt 2>&1; echo "rc=$?" >> $S
   grep -E "^steps:|launches|Triton compiles|^ *[0-9?.]+ s  " $OUT/profile_mixed.txt | sort -u | head -30 >> $S
+fi
+if [ $PART = all ] || [ $PART = orch ]; then
+  echo "== bench.orchestration tp1 local async (glm5-flash-31b fp8 dummy)" >> $S
+  for b in ${ORCH_BATCH:-64 1}; do
+    timeout ${ORCH_LIM:-100} python3 -m glm_ray.bench.orchestration $MDIR --tp 1 --modes local --batch $b --scheduling async \
+       --device cuda --dtype bfloat16 --load-format dummy --json $OUT/orchestration.jsonl > $OUT/orch_$b.log 2>&1
+    echo "batch $b rc=$?" >> $S; grep "^tp=" $OUT/orch_$b.log >> $S
+  done
+fi
+if [ $PART = all ] || [ $PART = firstuse ]; then
+  echo "== profile_step.py --log-compiles, a fresh 1024-token prompt joining one decode" >> $S
+  timeout ${FIRST_LIM:-120} python3 scripts/profile_step.py $MDIR --load-format dummy --batch 1 --prefill 1024 \
+     --kv-cache-gb 8 --rows 30 --log-compiles > $OUT/profile_firstuse.txt 2>&1; echo "rc=$?" >> $S
+  grep -E "triton compile|warm-up|first joining|^steps:|Triton compiles" $OUT/profile_firstuse.txt | cut -c1-250 | head -40 >> $S
 fi
 cat $S

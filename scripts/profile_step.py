@@ -9,11 +9,13 @@ joining a busy server meets it); with --prefix P its first P tokens were compute
 (prefix cache), so only the N-token tail is prefilled.
 """
 import argparse
+import logging
+import os
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from glm_ray import LLM, SamplingParams
+from glm_ray import LLM, SamplingParams, envs
 from glm_ray.kernels.cuda.compile_log import CompileLog
 
 p = argparse.ArgumentParser()
@@ -26,7 +28,14 @@ p.add_argument("--rows", type=int, default=25)
 p.add_argument("--prefill", type=int, default=0, help="prompt tokens (past --prefix) of the request joining")
 p.add_argument("--prefix", type=int, default=0, help="its prompt tokens already in the prefix cache")
 p.add_argument("--kv-cache-gb", type=float, default=1.0)
+p.add_argument("--log-compiles", action="store_true",
+               help="log every Triton compile from start-up on (the kernel warm-up's and the first request's too)")
 a = p.parse_args()
+if a.log_compiles:
+    os.environ[envs.LOG_TRITON_COMPILES.name] = "1"
+    logging.basicConfig(format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
+    logging.getLogger("glm_ray.kernels.cuda.compile_log").setLevel(logging.INFO)
+    logging.getLogger("glm_ray.worker.warmup").setLevel(logging.INFO)
 llm = LLM(a.model, device=a.device, dtype=a.dtype, kv_cache_memory_bytes=int(a.kv_cache_gb * (1 << 30)),
           max_num_seqs=a.batch + 2, max_model_len=max(2048, a.prefix + a.prefill + 128), load_format=a.load_format)
 eng = llm.engine
@@ -44,6 +53,8 @@ if a.prefill:                                  # one joining request first: kern
     eng.add_request("warm", prefix + torch.randint(10, 1000, (a.prefill,), generator=g).tolist(), greedy)
     for _ in range(4):
         eng.step()
+    print("the first joining request's steps (first use of its shapes):",
+          [round(s.step_s * 1e3, 2) for s in list(eng.step_history)[-4:]], "ms", flush=True)
     eng.add_request("joining", prefix + torch.randint(10, 1000, (a.prefill,), generator=g).tolist(), greedy)
     n_steps = 2                                # the mixed step (and, async, the one that collects it)
 compiles = CompileLog().install() if a.device == "cuda" else None     # Triton JIT inside the profiled steps

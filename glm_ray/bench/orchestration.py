@@ -18,7 +18,6 @@ import argparse
 import gc
 import os
 
-import ray
 import torch
 
 from glm_ray import envs
@@ -72,10 +71,12 @@ def main(argv=None) -> int:
     if a.time_collectives:
         os.environ[envs.TIME_COLLECTIVES.name] = "1"       # inherited by the worker actors
     os.environ[envs.STEP_TIMELINE.name] = "1"               # device time and inter-step gap (no extra sync)
-    if not ray.is_initialized():
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
-                 num_cpus=max(8, os.cpu_count() or 1), object_store_memory=500 * 2**20)
+    if set(a.modes) - {"local"}:      # Ray only for the TP-rank actors: the local row runs where Ray is absent
+        import ray  # noqa: PLC0415
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+                     num_cpus=max(8, os.cpu_count() or 1), object_store_memory=500 * 2**20)
     rows = []
     for tp in a.tp:
         for mode in a.modes:
