@@ -11,7 +11,9 @@
 #                 and the device's idle gap between steps (#19's gap < 0.1 ms / orchestration <= 3%); no Ray needed
 #   PART=firstuse profile_step.py --log-compiles: a fresh 1024-token prompt joining one decode after start-up
 #                 (the kernel warm-up's compiles, then any inside the first request's steps)
-#   PART=all      tests, prefill, grammar, indexer, mixed, orch, firstuse
+#   PART=step     bench.prefill: one prefill step of B fresh L-token prompts vs its FLOP floor, glm5-flash-31b and
+#                 glm5-slice-6l FP8 dummy, 1x1k 8x1k 1x8k 4x8k (#20 measure 1)
+#   PART=all      tests, prefill, grammar, indexer, mixed, orch, firstuse, step
 # Needs xgrammar importable (the engine imports it). The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
 # scripts/device_h200_served.sh with Ray and xgrammar importable (README, "Reproducing on a GPU machine without a package index").
 set -uo pipefail
@@ -62,5 +64,11 @@ if [ $PART = all ] || [ $PART = firstuse ]; then
   timeout ${FIRST_LIM:-120} python3 scripts/profile_step.py $MDIR --load-format dummy --batch 1 --prefill 1024 \
      --kv-cache-gb 8 --rows 30 --log-compiles > $OUT/profile_firstuse.txt 2>&1; echo "rc=$?" >> $S
   grep -E "triton compile|warm-up|first joining|^steps:|Triton compiles" $OUT/profile_firstuse.txt | cut -c1-250 | head -40 >> $S
+fi
+if [ $PART = all ] || [ $PART = step ]; then
+  echo "== bench.prefill (prefill step vs its FLOP floor)" >> $S
+  timeout ${STEP_LIM:-300} python3 -m glm_ray.bench.prefill glm5-flash-31b glm5-slice-6l --shape 1x1024 8x1024 1x8192 4x8192 \
+     --quant fp8 --device cuda --profile-top 12 --json $OUT/prefill_step.jsonl > $OUT/prefill_step.log 2>&1; echo "rc=$?" >> $S
+  grep -A 12 "^ *model |" $OUT/prefill_step.log | tail -12 >> $S
 fi
 cat $S

@@ -485,8 +485,8 @@ def print_ops(row: dict) -> None:
         print("  step timeline (ms, profiled): " + ", ".join(f"{k} {v:.3f}" for k, v in row["timeline_ms"].items()))
     if not row["top_ops"]:
         return
-    print(f"  top {row['top_ops_time']} ops: {row['model']} {row['quant']} {row['mode']} "
-          f"B={row['batch']} C={row['context']}")
+    shape = f"B={row['batch']} C={row['context']}" if "context" in row else f"B={row['batch']} L={row['length']}"
+    print(f"  top {row['top_ops_time']} ops: {row['model']} {row['quant']} {row.get('mode', 'eager')} {shape}")
     print(f"  {'share':>6} {'ms/step':>8} {'calls/step':>10}  name")
     for op in row["top_ops"]:
         name = op["name"] if len(op["name"]) <= 90 else op["name"][:87] + "..."

@@ -7,7 +7,11 @@ import statistics
 
 import torch
 
-PEAK_BF16_TFLOPS = 989.0             # H200 SXM datasheet, dense BF16 (no sparsity): the prefill benches' peak
+PEAK_BF16_TFLOPS = 989.0             # H200 SXM datasheet, dense BF16 (no sparsity): the kernel benches' peak
+# what GEMMs reach on the H200 machines (the prefill step's floor): an 8192^3 bf16 GEMM 721-798 TFLOP/s,
+# a blockwise [1x128, 128x128] FP8 `_scaled_mm` 1.19-1.20 PFLOP/s
+MEASURED_BF16_TFLOPS = 780.0
+MEASURED_FP8_TFLOPS = 1200.0
 
 
 def graph_replay_us(fn, iters: int, flush: torch.Tensor | None) -> float:
