@@ -260,6 +260,23 @@ def build_worker(model_dir: Path, *, device: str, dtype: str, mode: str, max_bat
     return w
 
 
+def dummy_worker(model: str, quant: str, **kw) -> Worker:
+    """`build_worker` for a model name / config in `quant`'s checkpoint format (the config written to a
+    temporary directory, removed once the worker is built)."""
+    tmp = Path(tempfile.mkdtemp(prefix="glm-ray-bench-"))
+    try:
+        return build_worker(model_dir_for(model, quant, tmp), **kw)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def release(device: str) -> None:
+    """After the bench dropped its worker: collect it and return its memory to the device."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 class SyncWaitProbe:
     """Measures how long the host waits for the device inside `execute` (CUDA only): wraps the runner's
     `sample` so that right after sampling is launched the host synchronizes, timed. The runner's own
@@ -504,13 +521,8 @@ def run(models: list[str], batches: list[int], contexts: list[int], *, steps: in
     total = steps_per_case(warmup, steps, profile_steps)
     for model in models:
         for mode in modes:
-            tmp = Path(tempfile.mkdtemp(prefix="glm-ray-decode-"))
-            try:
-                worker = build_worker(model_dir_for(model, quant, tmp), device=device, dtype=dtype, mode=mode,
-                                      max_batch=max(batches), max_context=max(contexts), steps_total=total,
-                                      block_size=block_size, seed=seed)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            worker = dummy_worker(model, quant, device=device, dtype=dtype, mode=mode, max_batch=max(batches),
+                                  max_context=max(contexts), steps_total=total, block_size=block_size, seed=seed)
             try:
                 weights = weight_bytes_from_config(worker.model_cfg)
             except NotImplementedError:
@@ -526,9 +538,7 @@ def run(models: list[str], batches: list[int], contexts: list[int], *, steps: in
                         print_rows([row], ROW_COLS, width=14)
                         print_ops(row)
             del worker
-            gc.collect()
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            release(device)
     return rows
 
 

@@ -23,16 +23,12 @@ requests in the same diff. Per row:
 from __future__ import annotations
 
 import argparse
-import gc
-import shutil
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from glm_ray.bench.decode import SyncWaitProbe, _cdiv, _fallbacks, _profile, build_worker, model_dir_for, print_ops
+from glm_ray.bench.decode import SyncWaitProbe, _cdiv, _fallbacks, _profile, dummy_worker, print_ops, release
 from glm_ray.bench.gpu_timing import MEASURED_BF16_TFLOPS, MEASURED_FP8_TFLOPS
 from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.config import ModelConfig
@@ -183,13 +179,9 @@ def run(models: list[str], shapes: list[tuple[int, int]], *, steps: int = 3, qua
         device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     for model in models:
-        tmp = Path(tempfile.mkdtemp(prefix="glm-ray-prefill-"))
-        try:
-            worker = build_worker(model_dir_for(model, quant, tmp), device=device, dtype=dtype, mode="eager",
-                                  max_batch=max(b for b, _ in shapes), max_context=max(n for _, n in shapes) + 1,
-                                  steps_total=1, block_size=block_size, seed=seed)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        worker = dummy_worker(model, quant, device=device, dtype=dtype, mode="eager",
+                              max_batch=max(b for b, _ in shapes), max_context=max(n for _, n in shapes) + 1,
+                              steps_total=1, block_size=block_size, seed=seed)
         for B, L in shapes:
             row = run_case(worker, model=model, quant=quant, batch=B, length=L, steps=steps, warmup=warmup,
                            profile_steps=profile_steps, profile_top=profile_top, seed=seed)
@@ -198,9 +190,7 @@ def run(models: list[str], shapes: list[tuple[int, int]], *, steps: int = 3, qua
                 print_rows([row], ROW_COLS, width=13)
                 print_ops(row)
         del worker
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
     return rows
 
 
