@@ -25,7 +25,7 @@ Per row:
   achievable HBM read rate); ratio_wall = step_ms / floor_ms, ratio_device = device_ms / floor_ms;
 * top_ops — with `--profile-top N`, the N ops with the most device time per step (CPU self time on CPU);
 * timeline_ms (CUDA) — where a profiled step's wall time goes: GPU busy, the GPU's gaps between the step's
-  kernels, host time before the first kernel and after the last (see `_profile`).
+  kernels, host time before the first kernel and after the last (see `profile_steps_of`).
 """
 from __future__ import annotations
 
@@ -358,8 +358,9 @@ class DecodeCase:
         self.worker.execute(SchedulerOutput(finished_req_ids=list(self.rids)))
 
 
-def _profile(case: DecodeCase, n: int, cuda: bool, top: int) -> tuple[float, list[dict], str, dict]:
-    """Run n steps under torch.profiler: (device ms per step, top ops, source of the device time, timeline).
+def profile_steps_of(case, n: int, cuda: bool, top: int) -> tuple[float, list[dict], str, dict]:
+    """Run n steps of `case` (a `DecodeCase`, or any object whose `step()` runs one engine step: bench.prefill's
+    `PrefillCase`) under torch.profiler: (device ms per step, top ops, source of the device time, timeline).
 
     timeline (CUDA; per-step medians, ms): `gpu_busy` (kernel time), `gpu_span` (first kernel start to
     last kernel end of the step), `gpu_gaps` (span - busy: the GPU idle *between* the step's kernels,
@@ -369,7 +370,7 @@ def _profile(case: DecodeCase, n: int, cuda: bool, top: int) -> tuple[float, lis
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         for _ in range(n):
-            with record_function("glm_ray_decode_step"):
+            with record_function("glm_ray_bench_step"):
                 case.step()
         if cuda:
             torch.cuda.synchronize()
@@ -378,7 +379,7 @@ def _profile(case: DecodeCase, n: int, cuda: bool, top: int) -> tuple[float, lis
     if cuda:
         kernels_t = []
         for ev in prof.events():                                  # kernels, memcpy, memset
-            if ev.device_type == DeviceType.CUDA and ev.name != "glm_ray_decode_step":   # not the annotation's range
+            if ev.device_type == DeviceType.CUDA and ev.name != "glm_ray_bench_step":   # not the annotation's range
                 a = agg.setdefault(ev.name, [0, 0.0])
                 a[0] += 1
                 a[1] += ev.time_range.elapsed_us()
@@ -399,11 +400,11 @@ def _profile(case: DecodeCase, n: int, cuda: bool, top: int) -> tuple[float, lis
 
 
 def _timeline(events, kernels_t: list[tuple[float, float]]) -> dict[str, float]:
-    """Per-step split of a profiled step's wall time (see `_profile`), medians over the steps, in ms.
+    """Per-step split of a profiled step's wall time (see `profile_steps_of`), medians over the steps, in ms.
     Kernels belong to the step during whose [start, next step's start) they start (profiler clocks
     are one timeline for host and device events)."""
     steps = sorted((ev.time_range.start, ev.time_range.end) for ev in events
-                   if ev.device_type == DeviceType.CPU and ev.name == "glm_ray_decode_step")
+                   if ev.device_type == DeviceType.CPU and ev.name == "glm_ray_bench_step")
     launches = [(ev.time_range.start, ev.time_range.elapsed_us()) for ev in events
                 if ev.device_type == DeviceType.CPU and ev.name == "cudaGraphLaunch"]
     rows = {k: [] for k in ("gpu_busy", "gpu_span", "gpu_gaps", "host_before", "host_after", "graph_launch")}
@@ -466,7 +467,7 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
         graph_steps = worker.runner.num_graph_steps - g0                # timed steps that replayed a graph
         device_ms, ops, dev_src, timeline = float("nan"), [], "none", {}
         if profile_steps and (cuda or profile_top):
-            device_ms, ops, dev_src, timeline = _profile(case, profile_steps, cuda, profile_top)
+            device_ms, ops, dev_src, timeline = profile_steps_of(case, profile_steps, cuda, profile_top)
         if cuda and math.isnan(device_ms):
             device_ms, dev_src = _event_span_ms(case, max(1, profile_steps)), "events"
     finally:
@@ -487,10 +488,10 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
             "floor_kv_gb": (fb["kv"] + fb["index_keys"]) / 1e9, "host_src": host_src, "device_src": dev_src,
             "top_ops_time": "device" if cuda else "cpu", "top_ops": ops, "timeline_ms": timeline,
             "final_pos": case.pos, "device": str(worker.device), "graph_steps": graph_steps,
-            "fallbacks": _fallbacks()}
+            "fallbacks": fallback_counts()}
 
 
-def _fallbacks() -> dict[str, int]:
+def fallback_counts() -> dict[str, int]:
     """The kernel backend's reference fallbacks so far ("op: reason" -> calls): a row whose decode
     kernels fell back measures the reference, and says so."""
     counter = getattr(getattr(kernels.ops().block_fp8_linear, "__self__", None), "fallbacks", None)

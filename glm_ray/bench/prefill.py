@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from glm_ray.bench.decode import SyncWaitProbe, _cdiv, _fallbacks, _profile, dummy_worker, print_ops, release
+from glm_ray.bench.decode import SyncWaitProbe, dummy_worker, fallback_counts, print_ops, profile_steps_of, release
 from glm_ray.bench.gpu_timing import MEASURED_BF16_TFLOPS, MEASURED_FP8_TFLOPS
 from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.config import ModelConfig
@@ -100,7 +100,7 @@ class PrefillCase:
 
     def __init__(self, worker: Worker, batch: int, length: int, tag: str, seed: int = 0):
         self.worker, self.B, self.L, self.tag = worker, batch, length, tag
-        nb = _cdiv(length, worker.runner.block_size)
+        nb = -(-length // worker.runner.block_size)                         # blocks per prompt
         g = torch.Generator().manual_seed(seed * 1_000_003 + batch * 100_003 + length)
         self.prompts = torch.randint(0, worker.model_cfg.vocab_size, (batch, length), generator=g).tolist()
         self.tables = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
@@ -154,7 +154,7 @@ def run_case(worker: Worker, *, model: str, quant: str, batch: int, length: int,
                 case.advance(out)
         device_ms, ops, dev_src, timeline = float("nan"), [], "none", {}
         if profile_steps and (cuda or profile_top):
-            device_ms, ops, dev_src, timeline = _profile(case, profile_steps, cuda, profile_top)
+            device_ms, ops, dev_src, timeline = profile_steps_of(case, profile_steps, cuda, profile_top)
     finally:
         case.finish()
     step_ms = statistics.median(walls) * 1e3
@@ -168,7 +168,7 @@ def run_case(worker: Worker, *, model: str, quant: str, batch: int, length: int,
             "ratio_wall": step_ms / floor, "ratio_device": device_ms / floor,
             "tflops_wall": flops["total"] / step_ms / 1e9, "flops": flops, "device_src": dev_src,
             "top_ops_time": "device" if cuda else "cpu", "top_ops": ops, "timeline_ms": timeline,
-            "device": str(worker.device), "fallbacks": _fallbacks()}
+            "device": str(worker.device), "fallbacks": fallback_counts()}
 
 
 def run(models: list[str], shapes: list[tuple[int, int]], *, steps: int = 3, quant: str = "fp8",

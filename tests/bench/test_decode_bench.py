@@ -143,7 +143,7 @@ def test_timeline_splits_a_step_into_host_and_gpu_parts():
     def ev(name, start, end, dev=DeviceType.CPU):
         tr = NS(start=start, end=end, elapsed_us=lambda: end - start)
         return NS(name=name, device_type=dev, time_range=tr)
-    events = [ev("glm_ray_decode_step", 0, 100), ev("cudaGraphLaunch", 5, 10), ev("glm_ray_decode_step", 100, 200)]
+    events = [ev("glm_ray_bench_step", 0, 100), ev("cudaGraphLaunch", 5, 10), ev("glm_ray_bench_step", 100, 200)]
     kernels = [(10, 30), (40, 60), (150, 170)]
     t = d._timeline(events, kernels)
     # medians over the two steps: busy (40, 20), span (50, 20), gaps (10, 0), before (10, 50), after (40, 30)
