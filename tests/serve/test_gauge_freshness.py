@@ -11,6 +11,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+from glm_ray.engine.stats_log import StatsLogger
 from glm_ray.serve import engine_host
 from glm_ray.serve.engine_client import LocalEngine
 from glm_ray.serve.engine_host import Admission, EngineHost, StepBatch
@@ -59,6 +60,7 @@ def test_engine_host_publishes_the_gauges_when_aborts_empty_the_engine():
     h = EngineHost.__new__(EngineHost)                    # no rank, no model: the loop and its queues
     h.engine, h.admission, h._wake, h._out = _Engine(), Admission(), threading.Event(), queue.Queue()
     h._dead, h._step_started = None, None
+    h.stats_log = StatsLogger(h.engine, interval_s=0.0)  # off
     t = threading.Thread(target=h._loop, daemon=True)
     t.start()
     try:
@@ -92,6 +94,7 @@ def test_local_engine_publishes_the_gauges_when_aborts_empty_the_engine():
     le = LocalEngine.__new__(LocalEngine)                  # no Ray workers: the loop and its admission
     le.engine, le.admission, le._last_ok = _Engine(), Admission(), time.monotonic()
     le._thread = ThreadPoolExecutor(max_workers=1)
+    le.stats_log = StatsLogger(le.engine, interval_s=0.0)  # off
     seen: list[tuple[float, StepBatch]] = []
 
     async def scenario():
