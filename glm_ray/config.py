@@ -335,6 +335,16 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # the GPU share each rank's actor (and its placement-group bundle) reserves: 0.5 lets two TP1 replicas
+    # share one GPU (each then needs an explicit KV budget: the memory-utilization sizing sees the other's)
+    gpus_per_rank: float = 1.0
+
+    def __post_init__(self):
+        if not 0.0 < self.gpus_per_rank <= 1.0:
+            raise ValueError(f"gpus_per_rank must be in (0, 1], got {self.gpus_per_rank}")
+        if self.gpus_per_rank < 1.0 and self.tensor_parallel_size > 1:
+            raise ValueError("gpus_per_rank < 1 needs tensor_parallel_size 1 (two ranks of one TP group must "
+                             "not share a GPU)")
 
 
 @dataclass(frozen=True)
@@ -373,7 +383,7 @@ def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str 
                        gpu_memory_utilization: float = 0.9, max_waiting: int = 4096, seed: int = 0,
                        fp8_proj_gemm: bool | None = None, fp8_proj_min_tokens: int = 512,
                        enforce_eager: bool = False, async_scheduling: bool | None = None,
-                       enable_prefix_caching: bool = True) -> EngineConfig:
+                       enable_prefix_caching: bool = True, gpus_per_rank: float = 1.0) -> EngineConfig:
     if fp8_proj_gemm is None:       # the flag's third spelling: GLM_RAY_FP8_PROJ_GEMM=1
         fp8_proj_gemm = envs.FP8_PROJ_GEMM.get()
     return EngineConfig(
@@ -383,4 +393,4 @@ def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str 
                           gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, max_waiting=max_waiting),
-        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, gpus_per_rank=gpus_per_rank))

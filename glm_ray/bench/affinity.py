@@ -13,7 +13,9 @@ On CPU with the tiny model (the defaults; ~3 minutes on 2 cores):
 
 `--app-arg key=value` (repeatable) sets any ServeArgs field of both apps; without model= (or with
 model=tiny) the apps run the tiny model on CPU with a 16 MiB KV cache per replica, otherwise ServeArgs'
-defaults apply (e.g. `--app-arg model=glm5-flash-31b --app-arg load_format=dummy` on two GPUs).
+defaults apply (e.g. `--app-arg model=glm5-flash-31b --app-arg load_format=dummy` on two GPUs). All four
+replicas on one GPU: `--app-arg gpus_per_rank=0.25 --app-arg kv_cache_memory_bytes=16Gi` (each reserves a
+quarter of it, with its own KV budget), and `--hit-source usage` where Ray's metrics agent does not run.
 """
 from __future__ import annotations
 
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--app-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="a ServeArgs field for both apps (default: the tiny model on CPU, max_num_seqs 8, a 16 MiB "
                         "KV cache per replica; another model= drops these defaults)")
+    p.add_argument("--hit-source", choices=["metrics", "usage"], default="metrics",
+                   help="prefix hit rate from Ray's metrics export (the replicas' counters), or from the responses' "
+                        "usage.prompt_tokens_details.cached_tokens (where Ray's metrics agent does not run)")
     p.add_argument("--num-cpus", type=int, default=8, help="the local Ray's logical CPUs")
     p.add_argument("--workdir", default=None, help="bench results (default: a temporary directory)")
     args = p.parse_args(argv)
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_tokens = args.groups * args.prompts_per_group * (args.system_prompt_len + args.question_len)
         for rep in range(args.repetitions):
             for app in ROUTERS:
-                q0, h0 = settled(metrics_port, app, 0)
+                q0, h0 = settled(metrics_port, app, 0) if args.hit_source == "metrics" else (0.0, 0.0)
                 out = workdir / f"bench_{app}.jsonl"
                 subprocess.run(
                     [sys.executable, "-m", "glm_ray.cli", "bench", "--base-url", f"http://127.0.0.1:{http_port}/{app}",
@@ -139,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
                      "--warmup-requests", "0", "--tag", f"request_router={ROUTERS[app]}",
                      "--output-file", str(out), "--no-plot"], check=True, stdout=sys.stderr)
                 rows[app].append(json.loads(out.read_text().splitlines()[-1]))
-                q1, h1 = settled(metrics_port, app, q0 + prompt_tokens)
+                if args.hit_source == "metrics":
+                    q1, h1 = settled(metrics_port, app, q0 + prompt_tokens)
+                else:                       # every prompt token is a query; the cached ones are hits
+                    q1, h1 = float(rows[app][-1]["total_input_tokens"]), float(rows[app][-1].get("total_cached_tokens") or 0)
                 counts[app][0] += q1 - q0
                 counts[app][1] += h1 - h0
     finally:

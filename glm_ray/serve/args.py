@@ -134,6 +134,10 @@ class ServeArgs:
     kv_cache_memory_bytes: int | None = setting(
         None, "KV-cache size per rank in bytes, e.g. 8Gi (vLLM's; overrides --gpu-memory-utilization)",
         human_int=True, default_help="what --gpu-memory-utilization leaves; on CPU 512 MiB")
+    gpus_per_rank: float = setting(
+        1.0, "GPU share each TP rank reserves (Ray's fractional num_gpus): 0.5 runs two TP1 replicas on one GPU; "
+             "below 1 needs --kv-cache-memory-bytes (the memory-utilization sizing would count the other "
+             "replica's memory) and tensor parallel size 1")
     kv_cache_memory_gb: float | None = setting(
         None, "the same in GiB, e.g. 0.25 (our older spelling; give one of the two)",
         default_help="see --kv-cache-memory-bytes")
@@ -216,6 +220,12 @@ class ServeArgs:
         need(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0 (or none)")
         need(self.kv_cache_memory_gb is None or self.kv_cache_memory_bytes is None, "kv_cache_memory_gb",
              "none when kv_cache_memory_bytes is given (the same size in two units: give one)")
+        need(0.0 < self.gpus_per_rank <= 1.0, "gpus_per_rank", "in (0, 1]")
+        need(self.gpus_per_rank == 1.0 or self.tp == 1, "gpus_per_rank", "1 unless tp is 1 (two ranks of one TP "
+             "group must not share a GPU)")
+        need(self.gpus_per_rank == 1.0 or not self.uses_gpu() or self.kv_cache_bytes() is not None, "gpus_per_rank",
+             "1 unless kv_cache_memory_bytes is given (on a shared GPU the memory-utilization sizing would count the "
+             "other replica's memory)")
         need(self.max_queued_requests >= 0, "max_queued_requests", ">= 0")
         need(self.ingress_replicas >= 1, "ingress_replicas", ">= 1")
         need(0 <= self.stream_batching_interval_ms <= 10_000, "stream_batching_interval_ms", "in [0, 10000]")
@@ -256,7 +266,7 @@ class ServeArgs:
                     kv_cache_memory_bytes=self.kv_cache_bytes(), gpu_memory_utilization=self.gpu_memory_utilization,
                     fp8_proj_gemm=self.fp8_proj_gemm, fp8_proj_min_tokens=self.fp8_proj_min_tokens,
                     enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
-                    enable_prefix_caching=self.enable_prefix_caching)
+                    enable_prefix_caching=self.enable_prefix_caching, gpus_per_rank=self.gpus_per_rank)
 
     def to_dict(self) -> dict:
         """Every field, the API key included: what the Router and the ingress are built from. Do not log

@@ -227,7 +227,7 @@ def router_deployment(args: ServeArgs):
     """`serve.deployment(Router)`: `router_replicas` replicas, each with the placement group of one TP group,
     behind the `request_router` the ingress routes with."""
     gpu = args.uses_gpu()
-    device_bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+    device_bundle = {"GPU": args.gpus_per_rank, "CPU": 1} if gpu else {"CPU": 1}
     if args.accelerator_type:
         device_bundle[f"accelerator_type:{args.accelerator_type}"] = 0.001
     bundles = [{"CPU": args.router_cpus}] + [dict(device_bundle) for _ in range(args.tp)]

@@ -117,7 +117,7 @@ class RayWorkerGroup:
             if placement is not None:
                 first_bundle = 1 if first_bundle is None else first_bundle   # bundle 0 = the Serve replica
         if placement is None:
-            bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+            bundle = {"GPU": cfg.parallel.gpus_per_rank, "CPU": 1} if gpu else {"CPU": 1}
             self._own_pg = placement = placement_group([bundle] * tp, strategy="STRICT_PACK")
             ray.get(placement.ready(), timeout=600)
             first_bundle = 0
@@ -125,7 +125,7 @@ class RayWorkerGroup:
                **envs.forwarded()}   # our knobs reach every rank
         if not gpu:
             env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-        opts = dict(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1, runtime_env={"env_vars": env})
+        opts = dict(num_gpus=cfg.parallel.gpus_per_rank if gpu else 0, num_cpus=0 if gpu else 1, runtime_env={"env_vars": env})
         def named(r):
             return {"name": f"{name_prefix}:rank{r}"} if name_prefix else {}
         if rank0_cls is not None:

@@ -191,7 +191,8 @@ def test_app_flags_are_not_generate_flags(capsys):
 NON_DEFAULT = {"tp": 2, "device": "cpu", "dtype": "float32", "load_format": "dummy", "kernel_backend": "torch",
                "fp8_proj_gemm": True, "fp8_proj_min_tokens": 7, "enforce_eager": True, "async_scheduling": True, "enable_prefix_caching": False,
                "max_num_seqs": 3, "max_num_batched_tokens": 99, "max_model_len": 512, "block_size": 32,
-               "gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": 2**20, "kv_cache_memory_gb": 0.25}
+               "gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": 2**20, "kv_cache_memory_gb": 0.25,
+               "gpus_per_rank": 0.5}
 
 
 @pytest.mark.parametrize("name", [f.name for f, s in serve_args.settings((ENGINE,)) if not s.positional])
@@ -250,3 +251,21 @@ def test_serve_passes_the_metrics_export_interval_to_ray(monkeypatch):
         with pytest.raises(Started) as e:
             cli.main(["serve", *argv])
         assert e.value.args[0]["_system_config"] == {"metrics_report_interval_ms": want}
+
+
+def test_a_shared_gpu_reserves_its_share_and_needs_its_own_kv_budget():
+    """--gpus-per-rank 0.5: the Router's rank bundles ask Ray for half a GPU (two replicas pack onto one);
+    refused at TP > 1 and, on a GPU, without an explicit KV budget."""
+    from glm_ray.serve.router import router_deployment
+    args = ServeArgs.from_dict({"device": "cuda", "gpus_per_rank": 0.5, "kv_cache_memory_bytes": "8Gi"})
+    bundles = router_deployment(args)._replica_config.placement_group_bundles
+    assert bundles[1:] == [{"GPU": 0.5, "CPU": 1}]
+    assert make_engine_config("m", **args.engine_kwargs()).parallel.gpus_per_rank == 0.5
+    with pytest.raises(ValueError, match="gpus_per_rank"):
+        ServeArgs.from_dict({"device": "cuda", "gpus_per_rank": 0.5})
+    with pytest.raises(ValueError, match="gpus_per_rank"):
+        ServeArgs.from_dict({"device": "cuda", "gpus_per_rank": 0.5, "kv_cache_memory_bytes": "8Gi", "tp": 2})
+    with pytest.raises(ValueError, match="gpus_per_rank"):
+        ServeArgs.from_dict({"gpus_per_rank": 0})
+    with pytest.raises(ValueError, match="gpus_per_rank"):
+        make_engine_config("m", tensor_parallel_size=2, gpus_per_rank=0.5)
