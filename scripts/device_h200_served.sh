@@ -3,6 +3,8 @@
 # glm5-flash-31b block-FP8 dummy, TP1, CUDA graphs, served by `glm-ray serve` (engine loop in rank 0's
 # actor; SCHED=async|sync) and loaded by `glm-ray bench` (random ids, input 1024, output 256, C = 1/16/64,
 # 4 x C prompts each); then `bench.offline` at batch 1/16/64 with the same lengths and scheduling.
+# SERVE_EXTRA adds serve flags (e.g. "--stream-batching-interval-ms 50" or "--ingress-replicas 2"), CS the
+# concurrencies (default "1 16 64").
 # Needs Ray and xgrammar importable (README: "Reproducing on a GPU machine without a package index"). One device call (<= 600 s).
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; SCHED=${SCHED:-async}; PORT=8000
@@ -10,7 +12,7 @@ MDIR=$(python3 -c "from pathlib import Path; from glm_ray.bench.decode import mo
 FLAG=""; [ "$SCHED" = async ] && FLAG=--async-scheduling
 echo "== served $MDIR ($SCHED)" >> $S
 GLM_RAY_LOG_STATS_INTERVAL_S=${STATS_S:-5} timeout ${SERVE_LIM:-420} python3 -m glm_ray.cli serve "$MDIR" --load-format dummy --device cuda --dtype bfloat16 \
-   --max-num-seqs 64 --max-model-len 4096 --kv-cache-memory-gb 24 $FLAG --port $PORT > $OUT/serve.log 2>&1 &
+   --max-num-seqs 64 --max-model-len 4096 --kv-cache-memory-gb 24 $FLAG ${SERVE_EXTRA:-} --port $PORT > $OUT/serve.log 2>&1 &
 SERVER=$!; t0=$(date +%s)
 for i in $(seq 1 200); do curl -sf 127.0.0.1:$PORT/v1/models >/dev/null && break; grep -q "Traceback" $OUT/serve.log && break; sleep 2; done
 echo "ready after $(( $(date +%s) - t0 )) s" >> $S
