@@ -96,6 +96,7 @@ class LocalEngine:
                     await asyncio.wait_for(self._wakeup.wait(), timeout=4.0)
                 except asyncio.TimeoutError:
                     send(step_batch(self.engine, [], {}))
+                    self.stats_log.maybe_log()          # the last busy window, once its interval is over
                 continue
             deltas = await within_step_timeout(loop.run_in_executor(self._thread, self.engine.step))   # raises: dead
             self._last_ok = time.monotonic()

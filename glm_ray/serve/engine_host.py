@@ -209,6 +209,7 @@ class EngineHost(RankActor):
                         batch = step_batch(self.engine, [], rejected)
                         self._out.put(batch)
                         last, shown = time.monotonic(), batch.gauges
+                    self.stats_log.maybe_log()              # the last busy window, once its interval is over
                     self._wake.wait(timeout=_IDLE_TICK_S)
                     self._wake.clear()
                     continue

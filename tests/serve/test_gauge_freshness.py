@@ -6,11 +6,14 @@ requests never finish, so only the aborts can empty it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
+from collections import deque
 from types import SimpleNamespace
 
+from glm_ray.engine.engine_core import StepStats
 from glm_ray.engine.stats_log import StatsLogger
 from glm_ray.serve import engine_host
 from glm_ray.serve.engine_client import LocalEngine
@@ -28,6 +31,7 @@ class _Engine:
         self.kv = SimpleNamespace(usage=lambda: 0.1 * len(self.scheduler.running), prefix_queries=0, prefix_hits=0)
         self.last_stats = SimpleNamespace(num_prefill_tokens=0, num_decode_seqs=0, num_preempted=0)
         self.executor = SimpleNamespace(shutdown=lambda: None)
+        self.step_history: deque = deque(maxlen=2048)
 
     def add_request(self, rid, ids, params, max_tokens=None):
         self.scheduler.running.append(rid)
@@ -43,6 +47,8 @@ class _Engine:
 
     def step(self):
         time.sleep(0.005)
+        n = len(self.scheduler.running)
+        self.step_history.append(StepStats(num_tokens=n, num_decode_seqs=n, finished_at=time.monotonic()))
         return []
 
 
@@ -141,3 +147,26 @@ def test_the_router_sets_the_gauges_from_each_step_batch():
     r._on_step(StepBatch(running=0, waiting=0, kv_usage=0.0))
     r._on_step(StepBatch(running=5, waiting=2, kv_usage=0.5, num_decode_seqs=5, prefix_queries=64, prefix_hits=32))
     assert r.metrics.steps == [(0, 0, 0.0, 0, 0, 0, 0, 0), (5, 2, 0.5, 0, 5, 0, 64, 32)]
+
+
+def test_engine_host_logs_the_last_busy_window_once_idle(caplog):
+    """A burst shorter than the stats interval followed by silence still gets its stats line: the idle
+    loop calls the logger on its ticks (not only after steps)."""
+    h = EngineHost.__new__(EngineHost)
+    h.engine, h.admission, h._wake, h._out = _Engine(), Admission(), threading.Event(), queue.Queue()
+    h._dead, h._step_started = None, None
+    h.stats_log = StatsLogger(h.engine, interval_s=0.5)
+    with caplog.at_level(logging.INFO, logger="glm_ray.engine.stats_log"):
+        t = threading.Thread(target=h._loop, daemon=True)
+        t.start()
+        try:
+            h.add("a", [1, 2], None, 4)
+            time.sleep(0.2)                                   # a short burst of steps, then the engine empties
+            h.abort("a")
+            deadline = time.monotonic() + engine_host._IDLE_TICK_S + 3
+            while "decode steps" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            h.stop()
+            t.join(10)
+    assert "decode steps" in caplog.text and "running 0" in caplog.text, caplog.text
