@@ -58,6 +58,12 @@ class RequestOutput:
     finished: bool = False
 
 
+def carries_tokens(d) -> bool:
+    """`d` is a token delta that may be merged with its neighbours (`merge_deltas`): not an exception, not
+    None (a stream's end), not an error delta."""
+    return isinstance(d, TokenDelta) and d.finish_reason != "error"
+
+
 def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
     """`a` then `b` (the next delta of the same request) as one delta: what a stream consumer that fell
     behind the engine takes in one chunk, as vLLM's output collector merges a slow client's backlog.

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi.responses import StreamingResponse
 
-from glm_ray.engine.outputs import TokenDelta, merge_deltas
+from glm_ray.engine.outputs import TokenDelta, carries_tokens, merge_deltas
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.serve.errors import map_exception
 from glm_ray.serve.protocol import APIError
@@ -206,7 +206,7 @@ def coalesce(items: list[tuple]) -> list[tuple]:
     out: list[tuple] = []
     open_at: dict[int, int] = {}                 # sub index -> position in `out` of its mergeable delta
     for s, d, err in items:
-        ok = err is None and d is not None and d.finish_reason != "error"
+        ok = err is None and carries_tokens(d)
         j = open_at.get(s.index)
         if ok and j is not None:
             out[j] = (s, merge_deltas(out[j][1], d), None)

@@ -17,7 +17,7 @@ from ray.serve.config import RequestRouterConfig
 
 from glm_ray.config import make_engine_config
 from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, request_failure
-from glm_ray.engine.outputs import TokenDelta, merge_deltas
+from glm_ray.engine.outputs import TokenDelta, carries_tokens, merge_deltas
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.serve import affinity_router
 from glm_ray.serve.args import ServeArgs
@@ -55,7 +55,7 @@ class _Stream:
                 await asyncio.sleep(wait)
         while _mergeable(d) and not self.queue.empty():
             nxt = self.queue.get_nowait()
-            if not isinstance(nxt, TokenDelta) or nxt.finish_reason == "error":
+            if not carries_tokens(nxt):
                 self.held = nxt
                 break
             d = merge_deltas(d, nxt)
@@ -64,7 +64,7 @@ class _Stream:
 
 
 def _mergeable(d) -> bool:
-    return isinstance(d, TokenDelta) and not d.finished and d.finish_reason != "error"
+    return carries_tokens(d) and not d.finished
 
 
 class Router:

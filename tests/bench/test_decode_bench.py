@@ -11,21 +11,13 @@ import pytest
 
 from glm_ray.bench import decode
 from glm_ray.config import ModelConfig
-from glm_ray.worker.model_runner import ModelRunner
 
 BS = 16                                        # default block size
 
 
-def test_main_decodes_at_the_given_context(tmp_path, monkeypatch):
+def test_main_decodes_at_the_given_context(tmp_path, monkeypatch, runner_calls):
     monkeypatch.setenv("GLM_RAY_CACHE", str(tmp_path / "cache"))
-    seen = []                                  # (SchedulerOutput, ModelRunnerOutput) of every runner call
-    orig = ModelRunner.execute
-
-    def spy(self, step):
-        out = orig(self, step)
-        seen.append((step, out))
-        return out
-    monkeypatch.setattr(ModelRunner, "execute", spy)
+    seen = runner_calls
     out_json = tmp_path / "rows.jsonl"
     C, steps, warmup, prof = 40, 3, 3, 2
     assert decode.main(["glm5-tiny", "--device", "cpu", "--batch", "1", "2", "--context", str(C), "--steps",

@@ -11,21 +11,13 @@ import pytest
 
 from glm_ray.bench import decode, prefill
 from glm_ray.layers.moe import FusedMoE
-from glm_ray.worker.model_runner import ModelRunner
 
 BS = 16
 
 
-def test_main_prefills_fresh_prompts(tmp_path, monkeypatch):
+def test_main_prefills_fresh_prompts(tmp_path, monkeypatch, runner_calls):
     monkeypatch.setenv("GLM_RAY_CACHE", str(tmp_path / "cache"))
-    seen = []
-    orig = ModelRunner.execute
-
-    def spy(self, step):
-        out = orig(self, step)
-        seen.append((step, out))
-        return out
-    monkeypatch.setattr(ModelRunner, "execute", spy)
+    seen = runner_calls
     out_json = tmp_path / "rows.jsonl"
     steps, warmup, prof = 2, 1, 1
     assert prefill.main(["glm5-tiny", "--device", "cpu", "--shape", "1x40", "2x24", "--steps", str(steps),
