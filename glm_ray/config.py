@@ -357,7 +357,10 @@ class EngineConfig:
     mla_mode: str = "auto"                     # "auto" (naive prefill, absorbed decode) | "naive" | "absorbed"
     fp8_proj_gemm: bool = False                # issue 5: prefill-only FP8 q_b/o_proj GEMM
     fp8_proj_min_tokens: int = 512
-    enforce_eager: bool = False                # True: no CUDA graphs for decode steps (vLLM's --enforce-eager)
+    enforce_eager: bool = False                # True: no CUDA graphs at all (vLLM's --enforce-eager)
+    # prefill / mixed steps of up to this many tokens replay piecewise CUDA graphs (worker/piecewise_graph.py;
+    # sglang's --piecewise-cuda-graph-max-tokens); None = max_num_batched_tokens, 0 = off
+    piecewise_graph_max_tokens: int | None = None
     # schedule and launch step N+1 before reading step N's tokens back (vLLM's --async-scheduling); TP=1.
     # None = on where it pays: an in-process executor on a GPU (on the CPU the "device" is the host)
     async_scheduling: bool | None = None
@@ -369,6 +372,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.fp8_proj_min_tokens < 0:
             raise ValueError(f"fp8_proj_min_tokens must be >= 0, got {self.fp8_proj_min_tokens}")
+        if self.piecewise_graph_max_tokens is not None and self.piecewise_graph_max_tokens < 0:
+            raise ValueError(f"piecewise_graph_max_tokens must be >= 0, got {self.piecewise_graph_max_tokens}")
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -383,13 +388,15 @@ def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str 
                        gpu_memory_utilization: float = 0.9, max_waiting: int = 4096, seed: int = 0,
                        fp8_proj_gemm: bool | None = None, fp8_proj_min_tokens: int = 512,
                        enforce_eager: bool = False, async_scheduling: bool | None = None,
-                       enable_prefix_caching: bool = True, gpus_per_rank: float = 1.0) -> EngineConfig:
+                       enable_prefix_caching: bool = True, gpus_per_rank: float = 1.0,
+                       piecewise_graph_max_tokens: int | None = None) -> EngineConfig:
     if fp8_proj_gemm is None:       # the flag's third spelling: GLM_RAY_FP8_PROJ_GEMM=1
         fp8_proj_gemm = envs.FP8_PROJ_GEMM.get()
     return EngineConfig(
         model=model, dtype=dtype, device=device, load_format=load_format, kernel_backend=kernel_backend,
         mla_mode=mla_mode, seed=seed, fp8_proj_gemm=fp8_proj_gemm, fp8_proj_min_tokens=fp8_proj_min_tokens,
-        enforce_eager=enforce_eager, async_scheduling=async_scheduling, cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
+        enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+        piecewise_graph_max_tokens=piecewise_graph_max_tokens, cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
                           gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, max_waiting=max_waiting),

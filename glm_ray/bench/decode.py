@@ -234,9 +234,10 @@ def steps_per_case(warmup: int, steps: int, profile_steps: int) -> int:
 
 
 def build_worker(model_dir: Path, *, device: str, dtype: str, mode: str, max_batch: int, max_context: int,
-                 steps_total: int, block_size: int = 16, seed: int = 0) -> Worker:
+                 steps_total: int, block_size: int = 16, seed: int = 0, piecewise_max_tokens: int = 0) -> Worker:
     """A TP1 `Worker` with dummy weights and a KV cache of exactly max_batch sequences of
-    max_context - 1 + steps_total tokens (cache values random, see module docstring)."""
+    max_context - 1 + steps_total tokens (cache values random, see module docstring). mode "eager": no
+    CUDA graphs; else decode graphs, and piecewise prefill graphs up to `piecewise_max_tokens` (0: none)."""
     resolved = "float32" if dtype == "auto" and device == "cpu" else dtype          # as Worker.load_model
     mcfg = ModelConfig.from_pretrained(model_dir, resolved)
     need = max_batch * _cdiv(max_context - 1 + steps_total, block_size)
@@ -245,7 +246,9 @@ def build_worker(model_dir: Path, *, device: str, dtype: str, mode: str, max_bat
     cfg = make_engine_config(str(model_dir), dtype=dtype, device=device, load_format="dummy",
                              max_num_seqs=max_batch, max_model_len=max_context + steps_total,
                              block_size=block_size, kv_cache_memory_bytes=budget, seed=seed,
-                             fp8_proj_gemm=False, enforce_eager=mode == "eager")
+                             fp8_proj_gemm=False, enforce_eager=mode == "eager",
+                             max_num_batched_tokens=max(2048, piecewise_max_tokens),
+                             piecewise_graph_max_tokens=piecewise_max_tokens)
     w = Worker(cfg)
     w.init_device()
     w.load_model()

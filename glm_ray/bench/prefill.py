@@ -4,7 +4,10 @@ of one step that prefills B fresh L-token prompts, its compute floor, and how fa
     python -m glm_ray.bench.prefill glm5-flash-31b glm5-slice-6l --shape 1x1024 8x1024 1x8192 4x8192 \
         --quant fp8 --device cuda --json prefill.jsonl --profile-top 12
 
-One TP1 `Worker` per model (dummy weights, eager: prefill steps are never graphs). Each timed step
+One TP1 `Worker` per model (dummy weights). `--modes eager piecewise` (the default) runs each shape both
+ways in the same process, interleaved: eager, and through the piecewise CUDA graphs
+(worker/piecewise_graph.py; steps of up to `--piecewise-max-tokens` tokens, larger ones stay eager and
+their piecewise row says so: `pieces` 0). Each timed step
 registers B new requests with their whole prompts as one chunk (start 0, the blocks of one table per
 sequence) through the runner's `execute(SchedulerOutput)` diff, and finishes the previous step's
 requests in the same diff. Per row:
@@ -36,7 +39,7 @@ from glm_ray.engine.contract import ModelRunnerOutput, NewRequestData, Scheduled
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.worker.worker import Worker
 
-ROW_COLS = ["model", "quant", "batch", "length", "step_ms", "host_ms", "device_ms", "floor_ms", "ratio_wall",
+ROW_COLS = ["model", "quant", "mode", "batch", "length", "step_ms", "host_ms", "device_ms", "floor_ms", "ratio_wall",
             "ratio_device", "tflops_wall", "floor_bf16_ms", "floor_fp8_ms"]
 
 
@@ -133,9 +136,16 @@ class PrefillCase:
 
 
 def run_case(worker: Worker, *, model: str, quant: str, batch: int, length: int, steps: int, warmup: int = 1,
-             profile_steps: int = 2, profile_top: int = 12, seed: int = 0) -> dict:
+             profile_steps: int = 2, profile_top: int = 12, seed: int = 0, mode: str = "eager") -> dict:
+    """One row: `mode` "eager" runs the step without the runner's piecewise graphs, "piecewise" with them
+    (when the runner has them and the step fits)."""
     cuda = worker.device.type == "cuda"
-    case = PrefillCase(worker, batch, length, model, seed)
+    runner = worker.runner
+    pieces = runner.pieces
+    if mode == "eager":
+        runner.pieces = None
+    n_pieces = runner.num_piecewise_steps
+    case = PrefillCase(worker, batch, length, f"{model}-{mode}", seed)
     probe = SyncWaitProbe(cuda)
     walls, waits = [], []
     try:
@@ -157,12 +167,14 @@ def run_case(worker: Worker, *, model: str, quant: str, batch: int, length: int,
             device_ms, ops, dev_src, timeline = profile_steps_of(case, profile_steps, cuda, profile_top)
     finally:
         case.finish()
+        runner.pieces = pieces
     step_ms = statistics.median(walls) * 1e3
     host_ms = statistics.median(w - s for w, s in zip(walls, waits)) * 1e3 if (probe.active or not cuda) else float("nan")
     flops = prefill_flops(worker.model_cfg, batch, length)
     f_bf16, f_fp8 = floors_ms(flops)
     floor = f_fp8 if quant == "fp8" else f_bf16
-    return {"model": model, "quant": quant, "batch": batch, "length": length, "tokens": batch * length,
+    return {"model": model, "quant": quant, "mode": mode, "pieces": runner.num_piecewise_steps - n_pieces,
+            "batch": batch, "length": length, "tokens": batch * length,
             "steps": steps, "step_ms": step_ms, "host_ms": host_ms, "sync_wait_ms": statistics.median(waits) * 1e3,
             "device_ms": device_ms, "floor_ms": floor, "floor_bf16_ms": f_bf16, "floor_fp8_ms": f_fp8,
             "ratio_wall": step_ms / floor, "ratio_device": device_ms / floor,
@@ -173,22 +185,27 @@ def run_case(worker: Worker, *, model: str, quant: str, batch: int, length: int,
 
 def run(models: list[str], shapes: list[tuple[int, int]], *, steps: int = 3, quant: str = "fp8",
         device: str = "auto", dtype: str = "auto", warmup: int = 1, profile_steps: int = 2, profile_top: int = 12,
-        block_size: int = 16, seed: int = 0, verbose: bool = True) -> list[dict]:
-    """Every (model, shape) row; one engine per model, its KV cache sized for the largest shape."""
+        block_size: int = 16, seed: int = 0, verbose: bool = True, modes: tuple[str, ...] = ("eager", "piecewise"),
+        piecewise_max_tokens: int = 8192) -> list[dict]:
+    """Every (model, shape, mode) row; one engine per model, its KV cache sized for the largest shape; the
+    modes of a shape run back to back in that engine."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
+    graphs = "piecewise" in modes
     for model in models:
-        worker = dummy_worker(model, quant, device=device, dtype=dtype, mode="eager",
+        worker = dummy_worker(model, quant, device=device, dtype=dtype, mode="graph" if graphs else "eager",
                               max_batch=max(b for b, _ in shapes), max_context=max(n for _, n in shapes) + 1,
-                              steps_total=1, block_size=block_size, seed=seed)
+                              steps_total=1, block_size=block_size, seed=seed,
+                              piecewise_max_tokens=piecewise_max_tokens if graphs else 0)
         for B, L in shapes:
-            row = run_case(worker, model=model, quant=quant, batch=B, length=L, steps=steps, warmup=warmup,
-                           profile_steps=profile_steps, profile_top=profile_top, seed=seed)
-            rows.append(row)
-            if verbose:
-                print_rows([row], ROW_COLS, width=13)
-                print_ops(row)
+            for mode in modes:
+                row = run_case(worker, model=model, quant=quant, batch=B, length=L, steps=steps, warmup=warmup,
+                               profile_steps=profile_steps, profile_top=profile_top, seed=seed, mode=mode)
+                rows.append(row)
+                if verbose:
+                    print_rows([row], ROW_COLS, width=13)
+                    print_ops(row)
         del worker
         release(device)
     return rows
@@ -217,12 +234,18 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", nargs="+", choices=["eager", "piecewise"], default=["eager", "piecewise"],
+                   help="run each shape eagerly and/or through the piecewise CUDA graphs (GPU only: on the CPU "
+                        "a piecewise row runs eagerly too and says so, pieces = 0)")
+    p.add_argument("--piecewise-max-tokens", type=int, default=8192,
+                   help="largest step captured as piecewise graphs (larger ones run eagerly)")
     p.add_argument("--json", default=None, help="also append the rows to this JSONL file")
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps must be >= 1")
     rows = run(a.models, a.shape, steps=a.steps, quant=a.quant, device=a.device, dtype=a.dtype, warmup=a.warmup,
-               profile_steps=a.profile_steps, profile_top=a.profile_top, block_size=a.block_size, seed=a.seed)
+               profile_steps=a.profile_steps, profile_top=a.profile_top, block_size=a.block_size, seed=a.seed,
+               modes=tuple(a.modes), piecewise_max_tokens=a.piecewise_max_tokens)
     print()
     print_rows(rows, ROW_COLS, width=13)
     append_rows(a.json, rows)

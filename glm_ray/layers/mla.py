@@ -17,6 +17,8 @@ positions [B, Qmax, k] int32 (GLM-5's indexer: attention reads only those latent
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -28,6 +30,13 @@ from glm_ray.layers.kpool_indexer import KPoolIndexer
 from glm_ray.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.layers.norm import RMSNorm
 from glm_ray.layers.rotary import RopeCache, apply_rope
+
+
+@dataclass
+class MLAQuery:
+    """What crosses from an MLA layer's projections to its attention (a piecewise-graph boundary)."""
+    q: torch.Tensor                                   # [T, h, dn+dr]: [q_nope | roped q_pe]
+    index_q: tuple[torch.Tensor, torch.Tensor] | None = None   # the indexer's (qi [T, Hi, di], w [T, Hi]) fp32
 
 # Bound on the transient gathered / expanded context of one attention call, passed to the kernel ops
 # as `max_bytes`; above it the torch reference processes the context in key chunks (online softmax).
@@ -76,10 +85,18 @@ class MLAAttention(nn.Module):
         self.w_kc = w[:, :self.dn, :].contiguous()                              # [h, dn, r]
         self.w_vc = w[:, self.dn:, :].transpose(1, 2).contiguous()              # [h, r, dv]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeCache | None,
-                kv_cache: torch.Tensor, index_cache: torch.Tensor | None,
-                prev_mask: tuple[torch.Tensor | None, ...] | None
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...] | None]:
+    # ---- the three parts of forward: projections | attention | output projection. A piecewise CUDA
+    # graph (worker/piecewise_graph.py) captures `project` and `o_proj` and runs `attend` eagerly.
+    def scores(self, batch: ForwardBatch) -> bool:
+        """Whether this layer's indexer scores in this step: some group's context exceeds index_topk
+        (below it the selection is dense causal)."""
+        return self.indexer is not None and any(g.max_context_len > self.indexer.topk for g in batch.groups)
+
+    def project(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeCache | None, kv_cache: torch.Tensor,
+                index_cache: torch.Tensor | None, index_queries: bool) -> MLAQuery:
+        """x [T, D] (normed) -> the queries; writes the step's cache rows (latent + k_pe, index keys).
+        Reads only `batch.slot_mapping`. `index_queries`: compute the indexer's queries too (needed when
+        `scores(batch)`; a piecewise graph always computes them)."""
         T = x.shape[0]
         if hasattr(self, "q_a_proj"):
             q_resid = self.q_a_layernorm(self.q_a_proj(x))                      # [T, rq]
@@ -87,45 +104,63 @@ class MLAAttention(nn.Module):
         else:
             q_resid, q = None, self.q_proj(x)
         q = q.view(T, self.h, self.dn + self.dr)                                # [T, h, dn+dr]
-        q_nope, q_pe = q[..., :self.dn], self._rope(q[..., self.dn:], rope)
+        if self.dr:
+            q = torch.cat([q[..., :self.dn], apply_rope(q[..., self.dn:], rope, self.interleave)], -1)
         ckv = self.kv_a_proj_with_mqa(x)                                        # [T, r+dr]
         # cache row [kv_a_layernorm(c) | rope(k_pe)] at slot_mapping: one `mla_kv_write` op
         cos, sin = (rope.cos, rope.sin) if self.dr else (None, None)           # [T, dr] each
         kernels.ops().mla_kv_write(ckv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin,
                                    self.interleave, kv_cache, batch.slot_mapping)
+        iq = None
         if self.indexer is not None:
             self.indexer.write_keys(x, batch, rope, index_cache)
+            if index_queries:
+                iq = self.indexer.queries(x, q_resid, rope)                     # [T, Hi, di], [T, Hi] fp32
+        return MLAQuery(q, iq)
 
-        o = q_nope.new_empty(T, self.h, self.dv)                                # [T, h, dv]
+    def attend(self, query: MLAQuery, batch: ForwardBatch, kv_cache: torch.Tensor, index_cache: torch.Tensor | None,
+               prev_mask: tuple[torch.Tensor | None, ...] | None, out: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...] | None]:
+        """Attention of every group of the step -> (o [T, h, dv] (written into `out` when given),
+        the DSA selections per group for IndexShare layers, or None)."""
+        q = query.q                                                             # [T, h, dn+dr]
+        o = out if out is not None else q.new_empty(q.shape[0], self.h, self.dv)   # [T, h, dv]
         selections = []
-        iq = None                                                               # index queries, when needed
         for gi, g in enumerate(batch.groups):                                   # decode groups, prefill buckets
             sel = None                                                          # None: dense causal
             if self.indexer is not None:
                 # while every context fits in index_topk, selection = dense causal (no scoring)
                 if g.max_context_len > self.indexer.topk:
-                    iq = iq if iq is not None else self.indexer.queries(x, q_resid, rope)
-                    sel = self.indexer.select(g, iq, index_cache)               # [B, Qmax, k|Kmax]
+                    if query.index_q is None:
+                        raise RuntimeError("the indexer scores this step but project() skipped its queries")
+                    sel = self.indexer.select(g, query.index_q, index_cache)   # [B, Qmax, k|Kmax]
             elif self.uses_dsa and prev_mask is not None:
                 sel = prev_mask[gi]
             selections.append(sel)
             attend = self._naive if g.mla_mode == "naive" else self._absorbed
-            o.index_copy_(0, g.token_index, attend(q_nope, q_pe, kv_cache, sel, g))   # [Tg, h, dv] rows
-        return self.o_proj(o.reshape(T, self.h * self.dv)), (tuple(selections) if self.uses_dsa else None)
+            o.index_copy_(0, g.token_index, attend(q, kv_cache, sel, g))       # [Tg, h, dv] rows
+        return o, (tuple(selections) if self.uses_dsa else None)
 
-    def _rope(self, x: torch.Tensor, rope: RopeCache | None) -> torch.Tensor:
-        return x if self.dr == 0 else apply_rope(x, rope, self.interleave)     # NoPE (GLM-5.3-Flash): dr = 0
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeCache | None,
+                kv_cache: torch.Tensor, index_cache: torch.Tensor | None,
+                prev_mask: tuple[torch.Tensor | None, ...] | None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...] | None]:
+        """x [T, D] -> (o_proj output [T, D], selections)."""
+        query = self.project(x, batch, rope, kv_cache, index_cache, self.scores(batch))
+        o, selections = self.attend(query, batch, kv_cache, index_cache, prev_mask)
+        return self.o_proj(o.reshape(x.shape[0], self.h * self.dv)), selections
 
-    def _naive(self, q_nope, q_pe, kv_cache, selection, group: AttnGroup):
+    def _naive(self, q, kv_cache, selection, group: AttnGroup):
         """Expand the context latents to per-head K/V with kv_b_proj and run MHA (prefill): the
         `mla_prefill` kernel op."""
-        return kernels.ops().mla_prefill(torch.cat([q_nope, q_pe], -1), kv_cache, group, selection, self.kv_b_proj,
+        return kernels.ops().mla_prefill(q, kv_cache, group, selection, self.kv_b_proj,
                                          kv_lora_rank=self.r, v_head_dim=self.dv, scale=self.scale,
                                          max_bytes=_ATTN_BYTES)                 # [Tg, h, dv]
 
-    def _absorbed(self, q_nope, q_pe, kv_cache, selection, group: AttnGroup):
+    def _absorbed(self, q, kv_cache, selection, group: AttnGroup):
         """Fold W_UK into the query, attend in latent space against the one shared latent KV head
         (MQA: the `mla_decode` kernel op), unfold W_UV from the output (decode)."""
+        q_nope, q_pe = q[..., :self.dn], q[..., self.dn:]                       # [T, h, dn], [T, h, dr]
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_kc.to(q_nope.dtype)).transpose(0, 1)   # [T, h, r]
         o_lat = kernels.ops().mla_decode(torch.cat([q_lat, q_pe], -1), kv_cache, group, selection,
                                          kv_lora_rank=self.r, scale=self.scale, max_bytes=_ATTN_BYTES)   # [Tg, h, r]

@@ -16,9 +16,9 @@ from glm_ray.config import ModelConfig
 from glm_ray.forward_batch import ForwardBatch
 from glm_ray.layers.embedding import VocabParallelEmbedding
 from glm_ray.layers.linear import ReplicatedLinear
-from glm_ray.layers.mla import MLAAttention
+from glm_ray.layers.mla import MLAAttention, MLAQuery
 from glm_ray.layers.norm import RMSNorm
-from glm_ray.layers.rotary import RotaryEmbedding
+from glm_ray.layers.rotary import RopeCache, RotaryEmbedding
 from glm_ray.model.base import CausalLM, make_mlp
 from glm_ray.quant import Unquantized
 
@@ -36,18 +36,23 @@ class DecoderLayer(nn.Module):
         self.mlp = make_mlp(cfg, sparse, quant_config=quant_config, prefix=f"{prefix}.mlp", params_dtype=params_dtype,
                             tp=tp)
 
-    def forward(self, x, residual, batch, rope, kv_cache, index_cache, prev_mask):
+    # ---- a layer in three parts; the attention part is the boundary a piecewise CUDA graph leaves eager
+    def attention_inputs(self, x, residual, batch, rope, kv_cache, index_cache, index_queries: bool):
         """Residual stream carried un-added (vLLM's fused-add pattern): `x` [T, D] is the previous layer's
         MLP output and `residual` [T, D] the stream before it (None for the first layer: x is the
-        embedding). Returns (this layer's MLP output, the stream before it, mask); the caller's next norm
-        adds them. The same adds in the same order as `x = x + h; x = x + mlp(norm(x))`."""
+        embedding). Returns (the stream with x added, this layer's MLAQuery); the cache rows are written."""
         if residual is None:
             residual, n = x, self.input_layernorm(x)                            # [T, D] each
         else:
             n, residual = self.input_layernorm(x, residual)                     # stream += previous MLP output
-        h, mask = self.self_attn(n, batch, rope, kv_cache, index_cache, prev_mask)
+        return residual, self.self_attn.project(n, batch, rope, kv_cache, index_cache, index_queries)
+
+    def ffn(self, o, residual):
+        """o [T, h, dv] attention output -> (this layer's MLP output, the stream before it); the next norm
+        adds them. The same adds in the same order as `x = x + h; x = x + mlp(norm(x))`."""
+        h = self.self_attn.o_proj(o.reshape(o.shape[0], -1))                  # [T, D]
         n, residual = self.post_attention_layernorm(h, residual)                # stream += attention output
-        return self.mlp(n), residual, mask
+        return self.mlp(n), residual
 
 
 class MTPLayer(DecoderLayer):
@@ -82,16 +87,63 @@ class GlmMoeDsaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, params_dtype)
         self.rotary_emb = RotaryEmbedding(cfg.rope, max(cfg.qk_rope_head_dim, 2))
 
+    # ---- the forward as pieces between attentions (worker/piecewise_graph.py replays `piece` as graphs)
+    @property
+    def num_pieces(self) -> int:
+        return self.cfg.num_hidden_layers + 1
+
+    @property
+    def attn_out_dims(self) -> tuple[int, int]:
+        """(heads on this rank, v_head_dim): the attention output's row shape."""
+        attn = self.layers[0].self_attn
+        return attn.h, attn.dv
+
+    def piece(self, k: int, carry: dict, batch: ForwardBatch, kv_caches: list[torch.Tensor],
+              index_caches: dict[int, torch.Tensor], index_queries: bool) -> dict:
+        """Piece k of the forward, everything between attention k-1 and attention k: piece 0 embeds
+        (`carry["ids"]`) and projects layer 0's queries; piece k finishes layer k-1 (o_proj, MLP) from
+        `carry["o"]` and projects layer k's; the last piece (k = L) finishes layer L-1 and applies the final
+        norm -> {"hidden"}. Reads from `batch` only positions (piece 0) and slot_mapping. Returns the
+        carry for the next attention: residual [T, D], cos/sin [T, dr], q [T, h, dn+dr], and the index
+        queries iq [T, Hi, di] / iw [T, Hi] where the layer scores."""
+        L = self.cfg.num_hidden_layers
+        if k == 0:
+            x, residual = self.embed_tokens(carry["ids"]), None                 # [T, D]
+            rope = self.rotary_emb(batch.positions, x.dtype)                    # cos/sin [T, dr] each
+        else:
+            rope = RopeCache(carry["cos"], carry["sin"])
+            x, residual = self.layers[k - 1].ffn(carry["o"], carry["residual"])
+        if k == L:
+            return {"hidden": self.norm(x) if residual is None else self.norm(x, residual)[0]}   # [T, D]
+        residual, query = self.layers[k].attention_inputs(x, residual, batch, rope, kv_caches[k],
+                                                          index_caches.get(k), index_queries)
+        out = {"residual": residual, "cos": rope.cos, "sin": rope.sin, "q": query.q}
+        if query.index_q is not None:
+            out["iq"], out["iw"] = query.index_q
+        return out
+
+    def attend(self, i: int, carry: dict, batch: ForwardBatch, kv_caches: list[torch.Tensor],
+               index_caches: dict[int, torch.Tensor], prev_mask, out: torch.Tensor | None = None):
+        """Attention of layer i (eager in a piecewise graph) -> (o [T, h, dv], selections)."""
+        iq = (carry["iq"], carry["iw"]) if "iq" in carry else None
+        return self.layers[i].self_attn.attend(MLAQuery(carry["q"], iq), batch, kv_caches[i], index_caches.get(i),
+                                               prev_mask, out)
+
+    def index_queries(self, batch: ForwardBatch) -> bool:
+        """Whether some layer's indexer scores this step (then every indexer layer computes its queries)."""
+        return any(layer.self_attn.scores(batch) for layer in self.layers[:self.cfg.num_hidden_layers])
+
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[torch.Tensor],
-                index_caches: dict[int, torch.Tensor]) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)                                        # [T, D]
-        rope = self.rotary_emb(batch.positions, x.dtype)                        # cos/sin [T, dr] each
-        mask, residual = None, None
+                index_caches: dict[int, torch.Tensor], run_piece=None) -> torch.Tensor:
+        """ids [T] -> final-normed hidden [T, D]. `run_piece(k, carry)` runs piece k (default: eagerly);
+        the piecewise graphs pass their replay, and the attentions between the pieces run here."""
+        iq = self.index_queries(batch)
+        run_piece = run_piece or (lambda k, carry: self.piece(k, carry, batch, kv_caches, index_caches, iq))
+        carry, mask = run_piece(0, {"ids": input_ids}), None
         for i in range(self.cfg.num_hidden_layers):
-            x, residual, mask = self.layers[i](x, residual, batch, rope, kv_caches[i], index_caches.get(i), mask)
-        if residual is None:                                                    # no decoder layers
-            return self.norm(x)
-        return self.norm(x, residual)[0]                                        # the last add fused in
+            carry["o"], mask = self.attend(i, carry, batch, kv_caches, index_caches, mask, carry.get("o"))
+            carry = run_piece(i + 1, carry)
+        return carry["hidden"]
 
 
 class GlmMoeDsaForCausalLM(CausalLM):
@@ -99,5 +151,5 @@ class GlmMoeDsaForCausalLM(CausalLM):
         super().__init__(cfg, params_dtype, tp)
         self.model = GlmMoeDsaModel(cfg, quant_config, params_dtype, tp)
 
-    def forward(self, input_ids, batch, kv_caches, index_caches, state_caches=None) -> torch.Tensor:
-        return self.model(input_ids, batch, kv_caches, index_caches)            # [T, D] final-normed
+    def forward(self, input_ids, batch, kv_caches, index_caches, state_caches=None, run_piece=None) -> torch.Tensor:
+        return self.model(input_ids, batch, kv_caches, index_caches, run_piece)   # [T, D] final-normed

@@ -111,7 +111,12 @@ class ServeArgs:
              "step A/B: FP8 pays from ~2k tokens at GLM-5 shapes; at glm5-flash-31b's the crossover lies "
              "between 4096 and 8192, so use 8192 there)")
     enforce_eager: bool = setting(
-        False, "run decode steps eagerly (no CUDA graphs; they are on by default on NVIDIA GPUs)")
+        False, "run every step eagerly (no CUDA graphs; decode and piecewise prefill graphs are on by default "
+               "on NVIDIA GPUs)")
+    piecewise_cuda_graph_max_tokens: int | None = setting(
+        None, "prefill and mixed steps of up to this many tokens replay piecewise CUDA graphs (everything "
+              "between attentions captured per token bucket; sglang's flag); 0 = off", human_int=True,
+        default_help="max_num_batched_tokens")
     async_scheduling: bool | None = setting(
         None, "schedule and launch step N+1 before step N's tokens are read back (TP=1): the host's "
               "per-step work overlaps the GPU, outputs unchanged; --no-async-scheduling turns it off",
@@ -266,7 +271,8 @@ class ServeArgs:
                     kv_cache_memory_bytes=self.kv_cache_bytes(), gpu_memory_utilization=self.gpu_memory_utilization,
                     fp8_proj_gemm=self.fp8_proj_gemm, fp8_proj_min_tokens=self.fp8_proj_min_tokens,
                     enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
-                    enable_prefix_caching=self.enable_prefix_caching, gpus_per_rank=self.gpus_per_rank)
+                    enable_prefix_caching=self.enable_prefix_caching, gpus_per_rank=self.gpus_per_rank,
+                    piecewise_graph_max_tokens=self.piecewise_cuda_graph_max_tokens)
 
     def to_dict(self) -> dict:
         """Every field, the API key included: what the Router and the ingress are built from. Do not log

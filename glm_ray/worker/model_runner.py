@@ -41,6 +41,7 @@ from glm_ray.worker import warmup
 from glm_ray.worker.cache import allocate_caches, kv_bytes_per_token
 from glm_ray.worker.cuda_graph import DecodeGraphs
 from glm_ray.worker.faults import FaultInjector, classify
+from glm_ray.worker.piecewise_graph import PiecewiseGraphs, supports_pieces
 from glm_ray.worker.sampler import (
     SamplingRow,
     copy_to_host,
@@ -98,9 +99,13 @@ class ModelRunner:
         self.cfg, self.model_cfg, self.model, self.device = cfg, model_cfg, model, device
         self.block_size = cfg.cache.block_size
         self.num_slots = num_blocks * self.block_size                           # KV token slots
-        # CUDA graphs pad decode batches with rows that write one scratch block / state row: one more each
+        # CUDA graphs pad their batches with rows that write one scratch block / state row: one more each
         use_graphs = graphs_enabled(cfg, device)
-        scratch = 1 if use_graphs else 0
+        piece_tokens = piecewise_max_tokens(cfg, model, device)
+        if use_graphs and not piece_tokens and not supports_pieces(model):
+            logger.info("piecewise CUDA graphs: %s's forward is not split at attention yet; prefill steps run "
+                        "eagerly", type(model).__name__)
+        scratch = 1 if (use_graphs or piece_tokens) else 0
         self.kv_caches, self.index_caches, self.state_caches = allocate_caches(
             model_cfg, (num_blocks + scratch) * self.block_size, cfg.scheduler.max_num_seqs + scratch,
             cfg.parallel.tensor_parallel_size, device)
@@ -116,7 +121,9 @@ class ModelRunner:
             except Exception:  # noqa: BLE001 - an optimization: serve without it rather than not at all
                 logger.exception("kernel warm-up failed; the first requests compile what they need")
         self.graphs: DecodeGraphs | None = self._capture_graphs(num_blocks) if use_graphs else None
+        self.pieces: PiecewiseGraphs | None = self._capture_pieces(num_blocks, piece_tokens) if piece_tokens else None
         self.num_graph_steps = 0                                                # decode steps replayed
+        self.num_piecewise_steps = 0                                            # prefill / mixed steps replayed
         # async scheduling: the last launch's sampled tokens (device) and rows, and the launch not collected
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
@@ -141,6 +148,23 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             return None
         return graphs
+
+    def _capture_pieces(self, num_blocks: int, max_tokens: int) -> PiecewiseGraphs | None:
+        """Piecewise prefill graphs (worker/piecewise_graph.py), in the decode graphs' pool; on any capture
+        failure, eager prefill with an error log."""
+        extra = [self.cfg.fp8_proj_min_tokens] if self.cfg.fp8_proj_gemm else []   # the FP8-projection switch
+        pieces = PiecewiseGraphs(self.model, self.kv_caches, self.index_caches, max_tokens=max_tokens,
+                                 pad_slot=num_blocks * self.block_size, device=self.device, extra_boundaries=extra)
+        if self.device.type != "cuda":          # tests: the static-buffer path without capture
+            return pieces
+        try:
+            pieces.capture(self.graphs.pool if self.graphs is not None else None)
+        except Exception:  # noqa: BLE001 - graphs are an optimization: serve eagerly rather than not at all
+            logger.exception("piecewise CUDA graph capture failed; prefill runs eagerly "
+                             "(--piecewise-cuda-graph-max-tokens 0 silences this)")
+            torch.cuda.synchronize(self.device)
+            return None
+        return pieces
 
     # ---- state diff ---------------------------------------------------------------------------
     def _update_states(self, step: SchedulerOutput) -> None:
@@ -202,7 +226,11 @@ class ModelRunner:
                                             self.block_size, self.device, self.cfg.mla_mode,
                                             [s.state_slot for s in seqs])
                 t1 = time.perf_counter()
-                hidden = self.model(ids, batch, self.kv_caches, self.index_caches, self.state_caches)   # [T, D]
+                if self.pieces is not None and self.pieces.fits(len(flat)):
+                    self.num_piecewise_steps += 1
+                    hidden = self.pieces.run(ids, batch)                                  # [T, D]
+                else:
+                    hidden = self.model(ids, batch, self.kv_caches, self.index_caches, self.state_caches)   # [T, D]
             logits = self.model.compute_logits(_take_rows(hidden, sample_rows)) if sample_rows else None   # [N, V]
             plp = self._prompt_logprobs(seqs, hidden, ends)
             del hidden
@@ -399,6 +427,15 @@ class ModelRunner:
 def graphs_enabled(cfg: EngineConfig, device: torch.device) -> bool:
     """Decode steps replay CUDA graphs (worker/cuda_graph.py) unless --enforce-eager or a forced MLA form."""
     return device.type == "cuda" and not cfg.enforce_eager and cfg.mla_mode == "auto"
+
+
+def piecewise_max_tokens(cfg: EngineConfig, model: torch.nn.Module, device: torch.device) -> int:
+    """The largest prefill / mixed step the piecewise graphs cover; 0 = none (off, not a GPU, forced
+    eager or MLA form, or a model whose forward is not split into pieces)."""
+    m = cfg.scheduler.max_num_batched_tokens if cfg.piecewise_graph_max_tokens is None else cfg.piecewise_graph_max_tokens
+    if not m or not graphs_enabled(cfg, device):
+        return 0
+    return m if supports_pieces(model) else 0
 
 
 def graph_max_context(cfg: EngineConfig, model_cfg: ModelConfig, kv_tokens: int) -> int:

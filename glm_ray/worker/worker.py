@@ -23,6 +23,7 @@ from glm_ray.worker.model_runner import (
     graph_max_context,
     graph_reserve_bytes,
     graphs_enabled,
+    piecewise_max_tokens,
     profile_activation_bytes,
 )
 
@@ -88,6 +89,11 @@ class Worker:
                 graphs = graph_reserve_bytes(self.cfg, self.model_cfg, self.model, self.device, max_ctx)
                 logger.info("rank %d: %.2f GiB kept for the decode CUDA graphs", self.rank, graphs / 2**30)
                 budget -= graphs
+            if piecewise_max_tokens(self.cfg, self.model, self.device):
+                # the piecewise graphs' pool keeps a prefill step's activations outside attention; the
+                # eager attentions between the pieces still need theirs: one more step's worth, bounded above
+                logger.info("rank %d: %.2f GiB kept for the piecewise prefill graphs", self.rank, act / 2**30)
+                budget -= act
             logger.info("rank %d: memory %.1f GiB used after load, %.2f GiB peak activations "
                         "(max_num_batched_tokens step) -> KV budget %.1f GiB", self.rank, used / 2**30,
                         act / 2**30, budget / 2**30)

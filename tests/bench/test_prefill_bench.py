@@ -22,17 +22,19 @@ def test_main_prefills_fresh_prompts(tmp_path, monkeypatch, runner_calls):
     steps, warmup, prof = 2, 1, 1
     assert prefill.main(["glm5-tiny", "--device", "cpu", "--shape", "1x40", "2x24", "--steps", str(steps),
                          "--warmup", str(warmup), "--profile-steps", str(prof), "--profile-top", "3",
-                         "--json", str(out_json)]) == 0
+                         "--modes", "eager", "piecewise", "--json", str(out_json)]) == 0
     rows = [json.loads(line) for line in out_json.read_text().splitlines()]
-    assert [(r["batch"], r["length"], r["quant"]) for r in rows] == [(1, 40, "fp8"), (2, 24, "fp8")]
+    assert [(r["batch"], r["length"], r["quant"], r["mode"]) for r in rows] == [
+        (1, 40, "fp8", "eager"), (1, 40, "fp8", "piecewise"), (2, 24, "fp8", "eager"), (2, 24, "fp8", "piecewise")]
     for r in rows:
+        assert r["pieces"] == 0                   # no graphs on the CPU: a piecewise row runs eagerly and says so
         assert r["step_ms"] > 0 and 0 < r["host_ms"] <= r["step_ms"] + 1e-9 and math.isnan(r["device_ms"])
         assert r["floor_ms"] == r["floor_fp8_ms"] <= r["floor_bf16_ms"]
         assert r["ratio_wall"] == pytest.approx(r["step_ms"] / r["floor_ms"])
         assert r["tflops_wall"] == pytest.approx(r["flops"]["total"] / r["step_ms"] / 1e9)
     # every step with sequences: B new requests, whole prompts from position 0 on ceil(L/bs) fresh blocks,
     # each sampled; the previous step's requests finished in the same diff, and all finished at the end
-    shapes = [(1, 40)] * (warmup + steps + prof) + [(2, 24)] * (warmup + steps + prof)
+    shapes = [(1, 40)] * 2 * (warmup + steps + prof) + [(2, 24)] * 2 * (warmup + steps + prof)
     steps_seen = [(so, out) for so, out in seen if so.seqs]
     assert [(len(so.seqs), len(so.seqs[0].token_ids)) for so, _ in steps_seen] == shapes
     live: set[str] = set()

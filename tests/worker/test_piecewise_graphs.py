@@ -1,0 +1,103 @@
+"""The piecewise prefill-graph path on the CPU (worker/piecewise_graph.py run without capture): the model's
+pieces over the static buffers, token buckets with padding rows writing the scratch block, and the eager
+attentions between them must compute what the eager forward computes — the same hidden states (fp32
+round-off) for prefill, chunked-prefill and mixed steps, contexts below and past index_topk — and an
+engine serving with them must generate the same tokens. (Capture and replay: tests/gpu/test_piecewise_graphs.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm_ray.config import ModelConfig
+from glm_ray.engine.sampling_params import SamplingParams
+from glm_ray.forward_batch import build_forward_batch
+from glm_ray.llm import LLM
+from glm_ray.model import MODEL_CLASSES
+from glm_ray.model.loader import init_dummy_weights
+from glm_ray.quant import get_quant_config
+from glm_ray.worker import model_runner
+from glm_ray.worker.cache import allocate_caches
+from glm_ray.worker.piecewise_graph import PiecewiseGraphs, supports_pieces, token_buckets
+
+
+def test_buckets():
+    assert token_buckets(2048) == [16, 32, 64, 96, 128, 192, 256, 384, 512, 640, 768, 1024, 1280, 1536, 1792, 2048]
+    assert token_buckets(100) == [16, 32, 64, 96, 100]
+    assert token_buckets(4000)[-4:] == [3072, 3584, 4000][-3:] or token_buckets(4000)[-3:] == [3072, 3584, 4000]
+    assert token_buckets(8192)[16:] == list(range(2560, 8192, 512)) + [8192]
+    assert 700 in token_buckets(2048, extra=[700]) and 4096 not in token_buckets(2048, extra=[4096])
+
+
+def _model(path):
+    cfg = ModelConfig.from_pretrained(path, "float32")
+    model = MODEL_CLASSES[cfg.architecture](cfg, get_quant_config(cfg), cfg.dtype).eval()
+    init_dummy_weights(model, seed=3)
+    model.process_weights_after_loading()
+    return cfg, model
+
+
+# (query_lens, context_lens): a fresh prompt, a chunk after a cached prefix past index_topk, a mixed
+# step (decodes beside a prompt), and two prompts in one step
+STEPS = [([21], [21]), ([6], [30]), ([1, 1, 9], [33, 12, 9]), ([13, 4], [13, 40])]
+
+
+@pytest.mark.parametrize("qlens,clens", STEPS)
+def test_pieces_equal_eager_forward(qlens, clens, oracle_dir):
+    cfg, model = _model(oracle_dir)
+    assert supports_pieces(model)
+    bs, nb = 4, 64
+    tables, nxt = [], 0
+    for c in clens:
+        n = -(-c // bs)
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    T = sum(qlens)
+    ids = torch.randint(10, 200, (T,), generator=torch.Generator().manual_seed(1))
+    out = []
+    with torch.inference_mode():
+        for piecewise in (False, True):
+            kv, idx, _ = allocate_caches(cfg, (nb + 1) * bs, 4, 1, torch.device("cpu"))
+            for c, t in zip(clens, tables):        # the cached prefixes: written by an eager prefill first
+                if c > max(qlens):
+                    pre = build_forward_batch([c], [c], [t], bs, torch.device("cpu"))
+                    model(torch.randint(10, 200, (c,), generator=torch.Generator().manual_seed(c)), pre, kv, idx)
+            batch = build_forward_batch(qlens, clens, tables, bs, torch.device("cpu"))
+            if piecewise:
+                pieces = PiecewiseGraphs(model, kv, idx, max_tokens=64, pad_slot=nb * bs, device=torch.device("cpu"))
+                pieces.carry.clear()
+                h = pieces.run(ids, batch).clone()
+                assert pieces.bucket(T) > T or T == 16       # padding rows ran (and wrote only the scratch block)
+            else:
+                h = model(ids, batch, kv, idx)
+            out.append((h, kv[0][:nb * bs].clone()))
+    (he, kve), (hp, kvp) = out
+    assert torch.allclose(he, hp, atol=1e-5, rtol=1e-5), (he - hp).abs().max()
+    assert torch.allclose(kve, kvp, atol=1e-5, rtol=1e-5)  # the real blocks: the same cache rows (padding rows
+                                                          # change the GEMM shapes, so equal to round-off)
+
+
+def _generate(path, prompts, max_tokens: int, monkeypatch, **kw):
+    with monkeypatch.context() as m:
+        m.setattr(model_runner, "graphs_enabled", lambda cfg, device: False)
+        m.setattr(model_runner, "piecewise_max_tokens", lambda cfg, model, device: max_tokens)
+        llm = LLM(path, dtype="float32", max_num_seqs=4, max_num_batched_tokens=48, block_size=4, **kw)
+        runner = llm.engine.executor.worker.runner
+        assert (runner.pieces is not None) == bool(max_tokens)
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, logprobs=2, ignore_eos=True)
+                                      for n in (6, 3, 8, 5, 4)], use_tqdm=False)
+        steps = runner.num_piecewise_steps
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], steps
+
+
+def test_engine_with_pieces_equals_eager(oracle_dir, monkeypatch):
+    """Prompts longer than the step budget (chunked), joining while others decode (mixed steps), contexts
+    past index_topk (the indexer scores): the same greedy tokens and logprobs as eager."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(10, 200, (n,), generator=g).tolist()} for n in (70, 5, 23, 9, 40)]
+    eager, n0 = _generate(oracle_dir, prompts, 0, monkeypatch)
+    piece, n1 = _generate(oracle_dir, prompts, 48, monkeypatch)
+    assert n0 == 0 and n1 >= 5
+    for (te, le), (tp, lp) in zip(eager, piece):
+        assert te == tp
+        for a, b in zip(le, lp):
+            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
