@@ -13,6 +13,8 @@
 #                 (the kernel warm-up's compiles, then any inside the first request's steps)
 #   PART=step     bench.prefill: one prefill step of B fresh L-token prompts vs its FLOP floor, glm5-flash-31b and
 #                 glm5-slice-6l FP8 dummy, 1x1k 8x1k 1x8k 4x8k (#20 measure 1)
+#   PART=pieces   the piecewise prefill graphs: their GPU test, then bench.prefill eager vs piecewise in one
+#                 process (glm5-flash-31b FP8 dummy, ${PIECE_SHAPES:-1x1024 8x1024 1x8192}; #20 measure 1)
 #   PART=all      tests, prefill, grammar, indexer, mixed, orch, firstuse, step
 # Needs xgrammar importable (the engine imports it). The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
 # scripts/device_h200_served.sh with Ray and xgrammar importable (README, "Reproducing on a GPU machine without a package index").
@@ -72,3 +74,15 @@ if [ $PART = all ] || [ $PART = step ]; then
   grep -A 12 "^ *model |" $OUT/prefill_step.log | tail -12 >> $S
 fi
 cat $S
+if [ $PART = pieces ]; then
+  echo "== piecewise graphs: gpu test" >> $S
+  timeout ${TEST_LIM:-200} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_piecewise_graphs.py > $OUT/pieces_test.log 2>&1
+  echo "rc=$? $(tail -1 $OUT/pieces_test.log)" >> $S
+  grep -E "^(FAILED|ERROR|E  )" $OUT/pieces_test.log | cut -c1-300 | head -30 >> $S
+  echo "== bench.prefill eager vs piecewise" >> $S
+  timeout ${STEP_LIM:-330} python3 -m glm_ray.bench.prefill ${PIECE_MODELS:-glm5-flash-31b} --shape ${PIECE_SHAPES:-1x1024 8x1024 1x8192} \
+     --quant fp8 --device cuda --profile-top 12 --modes eager piecewise --piecewise-max-tokens ${PIECE_MAX:-8192} \
+     --json $OUT/prefill_pieces.jsonl > $OUT/prefill_pieces.log 2>&1; echo "rc=$?" >> $S
+  grep -E "CUDA graphs|capture" $OUT/prefill_pieces.log | cut -c1-300 | head -6 >> $S
+  grep -A 12 "^ *model |" $OUT/prefill_pieces.log | tail -12 >> $S
+fi
