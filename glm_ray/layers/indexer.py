@@ -54,12 +54,14 @@ class Indexer(nn.Module):
         kernels.ops().indexer_key_write(self.wk(x), self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin,
                                         self.rope_dim, self.interleave, key_cache, batch.slot_mapping)
 
-    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, rope: RopeCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Index queries and head weights of every row of T (once per layer, shared by its groups)."""
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, rope: RopeCache, qi_out: torch.Tensor | None = None,
+                w_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries and head weights of every row of T (once per layer, shared by its groups), fp32;
+        written into `qi_out` / `w_out` when given."""
         T = x.shape[0]
         qi = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), rope)   # [T, Hi, di]
-        w = self.weights_proj(x.float()) * self.n_heads ** -0.5                 # [T, Hi] fp32
-        return qi.float(), w
+        w = torch.mul(self.weights_proj(x.float()), self.n_heads ** -0.5, out=w_out)   # [T, Hi] fp32
+        return (qi.float() if qi_out is None else qi_out.copy_(qi)), w
 
     def select(self, group: AttnGroup, queries: tuple[torch.Tensor, torch.Tensor],
                key_cache: torch.Tensor) -> torch.Tensor:

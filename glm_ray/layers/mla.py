@@ -93,10 +93,13 @@ class MLAAttention(nn.Module):
         return self.indexer is not None and any(g.max_context_len > self.indexer.topk for g in batch.groups)
 
     def project(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeCache | None, kv_cache: torch.Tensor,
-                index_cache: torch.Tensor | None, index_queries: bool) -> MLAQuery:
+                index_cache: torch.Tensor | None, index_queries: bool,
+                out: dict[str, torch.Tensor] | None = None) -> MLAQuery:
         """x [T, D] (normed) -> the queries; writes the step's cache rows (latent + k_pe, index keys).
         Reads only `batch.slot_mapping`. `index_queries`: compute the indexer's queries too (needed when
-        `scores(batch)`; a piecewise graph always computes them)."""
+        `scores(batch)`). `out`: buffers "q" / "iq" / "iw" the results are written into (a piecewise
+        graph's static carry; no copy after)."""
+        out = out or {}
         T = x.shape[0]
         if hasattr(self, "q_a_proj"):
             q_resid = self.q_a_layernorm(self.q_a_proj(x))                      # [T, rq]
@@ -105,7 +108,7 @@ class MLAAttention(nn.Module):
             q_resid, q = None, self.q_proj(x)
         q = q.view(T, self.h, self.dn + self.dr)                                # [T, h, dn+dr]
         if self.dr:
-            q = torch.cat([q[..., :self.dn], apply_rope(q[..., self.dn:], rope, self.interleave)], -1)
+            q = torch.cat([q[..., :self.dn], apply_rope(q[..., self.dn:], rope, self.interleave)], -1, out=out.get("q"))
         ckv = self.kv_a_proj_with_mqa(x)                                        # [T, r+dr]
         # cache row [kv_a_layernorm(c) | rope(k_pe)] at slot_mapping: one `mla_kv_write` op
         cos, sin = (rope.cos, rope.sin) if self.dr else (None, None)           # [T, dr] each
@@ -115,7 +118,7 @@ class MLAAttention(nn.Module):
         if self.indexer is not None:
             self.indexer.write_keys(x, batch, rope, index_cache)
             if index_queries:
-                iq = self.indexer.queries(x, q_resid, rope)                     # [T, Hi, di], [T, Hi] fp32
+                iq = self.indexer.queries(x, q_resid, rope, out.get("iq"), out.get("iw"))   # [T, Hi, di], [T, Hi]
         return MLAQuery(q, iq)
 
     def attend(self, query: MLAQuery, batch: ForwardBatch, kv_cache: torch.Tensor, index_cache: torch.Tensor | None,

@@ -37,15 +37,16 @@ class DecoderLayer(nn.Module):
                             tp=tp)
 
     # ---- a layer in three parts; the attention part is the boundary a piecewise CUDA graph leaves eager
-    def attention_inputs(self, x, residual, batch, rope, kv_cache, index_cache, index_queries: bool):
+    def attention_inputs(self, x, residual, batch, rope, kv_cache, index_cache, index_queries: bool, out=None):
         """Residual stream carried un-added (vLLM's fused-add pattern): `x` [T, D] is the previous layer's
         MLP output and `residual` [T, D] the stream before it (None for the first layer: x is the
-        embedding). Returns (the stream with x added, this layer's MLAQuery); the cache rows are written."""
+        embedding). Returns (the stream with x added, this layer's MLAQuery); the cache rows are written.
+        `out`: destination buffers for the query tensors (MLAAttention.project)."""
         if residual is None:
             residual, n = x, self.input_layernorm(x)                            # [T, D] each
         else:
             n, residual = self.input_layernorm(x, residual)                     # stream += previous MLP output
-        return residual, self.self_attn.project(n, batch, rope, kv_cache, index_cache, index_queries)
+        return residual, self.self_attn.project(n, batch, rope, kv_cache, index_cache, index_queries, out)
 
     def ffn(self, o, residual):
         """o [T, h, dv] attention output -> (this layer's MLP output, the stream before it); the next norm
@@ -99,13 +100,15 @@ class GlmMoeDsaModel(nn.Module):
         return attn.h, attn.dv
 
     def piece(self, k: int, carry: dict, batch: ForwardBatch, kv_caches: list[torch.Tensor],
-              index_caches: dict[int, torch.Tensor], index_queries: bool) -> dict:
+              index_caches: dict[int, torch.Tensor], index_queries: bool,
+              out: dict[str, torch.Tensor] | None = None) -> dict:
         """Piece k of the forward, everything between attention k-1 and attention k: piece 0 embeds
         (`carry["ids"]`) and projects layer 0's queries; piece k finishes layer k-1 (o_proj, MLP) from
         `carry["o"]` and projects layer k's; the last piece (k = L) finishes layer L-1 and applies the final
         norm -> {"hidden"}. Reads from `batch` only positions (piece 0) and slot_mapping. Returns the
         carry for the next attention: residual [T, D], cos/sin [T, dr], q [T, h, dn+dr], and the index
-        queries iq [T, Hi, di] / iw [T, Hi] where the layer scores."""
+        queries iq [T, Hi, di] / iw [T, Hi] where the layer computes them. `out`: buffers to write q / iq / iw
+        into (the piecewise graphs' static carry) instead of new tensors."""
         L = self.cfg.num_hidden_layers
         if k == 0:
             x, residual = self.embed_tokens(carry["ids"]), None                 # [T, D]
@@ -116,7 +119,7 @@ class GlmMoeDsaModel(nn.Module):
         if k == L:
             return {"hidden": self.norm(x) if residual is None else self.norm(x, residual)[0]}   # [T, D]
         residual, query = self.layers[k].attention_inputs(x, residual, batch, rope, kv_caches[k],
-                                                          index_caches.get(k), index_queries)
+                                                          index_caches.get(k), index_queries, out)
         out = {"residual": residual, "cos": rope.cos, "sin": rope.sin, "q": query.q}
         if query.index_q is not None:
             out["iq"], out["iw"] = query.index_q

@@ -21,9 +21,10 @@ and replays piece k's graph where the eager forward would run it (`run_piece`). 
 padding: token 0 at position 0, writing the scratch KV block (the block the scheduler never hands out,
 as the decode graphs' padding rows); their outputs are dropped, and no eager attention reads them.
 
-What differs from eager: the pieces always compute the indexer's queries (eager computes them only in
-steps where some context passes index_topk) — the same values, a few more FLOPs — and size-dependent
-kernel choices (the small-M FP8 GEMM, the MoE decode kernels, the FP8-projection threshold, inserted as a
+Each bucket is captured twice for a DSA model: with the indexer's queries (steps where some context
+passes index_topk) and without. The query tensors are written straight into their static buffers; the
+residual stream is copied into its own once per piece. What differs from eager: size-dependent kernel
+choices (the small-M FP8 GEMM, the MoE decode kernels, the FP8-projection threshold, inserted as a
 bucket boundary) see Tp instead of T.
 
 Not captured: steps above the largest bucket (`EngineConfig.piecewise_graph_max_tokens`, default the
@@ -80,8 +81,8 @@ class PiecewiseGraphs:
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)       # [N]
         self.slot_mapping = torch.full((n,), pad_slot, dtype=torch.int64, device=device)   # [N]
         self.carry: dict[str, torch.Tensor] = {}      # key -> [N, ...] static buffer (made at the first run)
-        self.keys: list[tuple[str, ...]] = []         # per piece: the carry keys it writes
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}          # (bucket, piece)
+        self.keys: dict[tuple[bool, int], tuple[str, ...]] = {}   # (variant, piece) -> the carry keys it writes
+        self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}   # (bucket, variant, piece)
         self.pool = None
         self.replay_s = 0.0                                                     # host seconds inside replay()
 
@@ -92,33 +93,42 @@ class PiecewiseGraphs:
     def bucket(self, num_tokens: int) -> int:
         return next(b for b in self.buckets if b >= num_tokens)
 
+    def variants(self) -> tuple[bool, ...]:
+        """Captured per bucket: without and (DSA models) with the indexer's queries — a step computes them
+        only when some context passes index_topk, and at 8k tokens they cost ~3 ms a layer."""
+        return (False, True) if self.model.cfg.has_indexer else (False,)
+
     def _graph_batch(self, Tp: int) -> ForwardBatch:
         """What a piece reads of a batch: positions and KV slots (no attention groups)."""
         return ForwardBatch(positions=self.positions[:Tp], slot_mapping=self.slot_mapping[:Tp], groups=(),
                             max_context_len=0)
 
-    def _inputs(self, k: int, rows: int) -> dict[str, torch.Tensor]:
+    def _views(self, keys, rows: int) -> dict[str, torch.Tensor]:
+        return {key: self.carry[key][:rows] for key in keys if key in self.carry}
+
+    def _inputs(self, scores: bool, k: int, rows: int) -> dict[str, torch.Tensor]:
         """Piece k's carry: views [:rows] of the static buffers written before it (the ids for piece 0;
         the previous piece's keys and the attention output after)."""
         if k == 0:
             return {"ids": self.ids[:rows]}
-        return {key: self.carry[key][:rows] for key in (*self.keys[k - 1], "o")}
+        return self._views((*self.keys[(scores, k - 1)], "o"), rows)
 
-    def _piece(self, k: int, Tp: int) -> None:
-        """Run piece k at bucket Tp on the static buffers and store what it returns (eager or captured)."""
-        out = self.inner.piece(k, self._inputs(k, Tp), self._graph_batch(Tp), self.kv_caches, self.index_caches,
-                               True)
-        if len(self.keys) <= k:                                                 # the first run: shapes
-            self.keys.append(tuple(out))
+    def _piece(self, scores: bool, k: int, Tp: int) -> None:
+        """Run piece k at bucket Tp on the static buffers (eager or under capture): the queries written
+        straight into their buffers, the rest of what it returns copied into theirs."""
+        out = self.inner.piece(k, self._inputs(scores, k, Tp), self._graph_batch(Tp), self.kv_caches,
+                               self.index_caches, scores, self._views(("q", "iq", "iw"), Tp))
+        if (scores, k) not in self.keys:                                        # the first run: shapes
+            self.keys[(scores, k)] = tuple(out)
             for key, t in out.items():
                 if key not in self.carry:
                     self.carry[key] = torch.zeros(self.buckets[-1], *t.shape[1:], dtype=t.dtype, device=t.device)
-            if k == 0:                                                          # the attention output [N, h, dv]
+            if "o" not in self.carry and "q" in out:                            # the attention output [N, h, dv]
                 h, dv = self.inner.attn_out_dims
                 self.carry["o"] = torch.zeros(self.buckets[-1], h, dv, dtype=out["q"].dtype, device=self.device)
         for key, t in out.items():
             dst = self.carry[key][:Tp]
-            if t.data_ptr() != dst.data_ptr():                                  # (rope passes through as is)
+            if t.data_ptr() != dst.data_ptr():                  # (written in place, or rope passed through)
                 dst.copy_(t)
 
     # ---- capture ----------------------------------------------------------------------------------
@@ -133,20 +143,22 @@ class PiecewiseGraphs:
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for Tp in reversed(self.buckets):
-            for k in range(self.inner.num_pieces):
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    self._piece(k, Tp)                                          # warm-up
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                torch.cuda.synchronize(self.device)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                    self._piece(k, Tp)
-                self.graphs[(Tp, k)] = g
+            for scores in self.variants():
+                for k in range(self.inner.num_pieces):
+                    stream.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(stream):
+                        self._piece(scores, k, Tp)                              # warm-up
+                    torch.cuda.current_stream(self.device).wait_stream(stream)
+                    torch.cuda.synchronize(self.device)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                        self._piece(scores, k, Tp)
+                    self.graphs[(Tp, scores, k)] = g
         torch.cuda.synchronize(self.device)
         used = torch.cuda.memory_allocated(self.device) - before
-        logger.info("CUDA graphs: %d piecewise graphs (%d pieces x token buckets %s) captured in %.1f s, %.0f MiB",
-                    len(self.graphs), self.inner.num_pieces, self.buckets, time.perf_counter() - t0, used / 2**20)
+        logger.info("CUDA graphs: %d piecewise graphs (%d pieces x %d variants x token buckets %s) captured in "
+                    "%.1f s, %.0f MiB", len(self.graphs), self.inner.num_pieces, len(self.variants()), self.buckets,
+                    time.perf_counter() - t0, used / 2**20)
 
     # ---- a step -----------------------------------------------------------------------------------
     def run(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -159,16 +171,17 @@ class PiecewiseGraphs:
         self.slot_mapping[:T].copy_(batch.slot_mapping)
         if Tp > T:
             self._fill_padding(T, Tp)
+        scores = self.inner.index_queries(batch)
 
         def run_piece(k: int, carry: dict) -> dict:
-            g = self.graphs.get((Tp, k))
+            g = self.graphs.get((Tp, scores, k))
             if g is None:              # not captured (the CPU tests): the same static-buffer piece, eagerly
-                self._piece(k, Tp)
+                self._piece(scores, k, Tp)
             else:
                 t0 = time.perf_counter()
                 g.replay()
                 self.replay_s += time.perf_counter() - t0
-            return {key: self.carry[key][:T] for key in (*self.keys[k], "o")}
+            return self._views((*self.keys[(scores, k)], "o"), T)
 
         return self.model(self.ids[:T], batch, self.kv_caches, self.index_caches, run_piece=run_piece)
 

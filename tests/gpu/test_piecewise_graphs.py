@@ -42,13 +42,14 @@ def test_engine_with_piecewise_graphs_equals_without_fp32(oracle_dir):
     eager = _generate(base)
     del base
     llm, runner = _llm(oracle_dir, "float32", 256)
-    assert len(runner.pieces.graphs) == len(runner.pieces.buckets) * runner.model.model.num_pieces
+    pieces = runner.pieces
+    assert len(pieces.graphs) == len(pieces.buckets) * len(pieces.variants()) * runner.model.model.num_pieces
     graph = _generate(llm)
-    assert runner.num_piecewise_steps >= 4
     for a, b in zip(eager, graph):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-3
+    assert runner.num_piecewise_steps >= 2            # 499 prompt tokens at 256 a step; then decode graphs
 
 
 @pytest.mark.parametrize("qlens,clens", [([200], [200]), ([40], [240]), ([1, 1, 60], [241, 30, 60])])
@@ -77,5 +78,5 @@ def test_replayed_pieces_equal_eager_forward_bf16(qlens, clens, oracle_dir):
 def test_engine_with_piecewise_graphs_bf16_runs(oracle_dir):
     llm, runner = _llm(oracle_dir, "bfloat16", 256)
     outs = _generate(llm)
-    assert runner.num_piecewise_steps >= 4
+    assert runner.num_piecewise_steps >= 2
     assert [len(o.outputs[0].token_ids) for o in outs] == [20, 5, 16, 12, 8, 9]

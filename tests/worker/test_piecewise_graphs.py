@@ -36,9 +36,10 @@ def _model(path):
     return cfg, model
 
 
-# (query_lens, context_lens): a fresh prompt, a chunk after a cached prefix past index_topk, a mixed
-# step (decodes beside a prompt), and two prompts in one step
-STEPS = [([21], [21]), ([6], [30]), ([1, 1, 9], [33, 12, 9]), ([13, 4], [13, 40])]
+# (query_lens, context_lens): a fresh prompt, a chunk after a cached prefix past index_topk (8), a mixed
+# step (decodes beside a prompt), two prompts in one step; and steps whose contexts all fit in
+# index_topk (the variant without index queries)
+STEPS = [([21], [21]), ([6], [30]), ([1, 1, 9], [33, 12, 9]), ([13, 4], [13, 40]), ([5], [5]), ([1, 3], [8, 3])]
 
 
 @pytest.mark.parametrize("qlens,clens", STEPS)
@@ -64,9 +65,10 @@ def test_pieces_equal_eager_forward(qlens, clens, oracle_dir):
             batch = build_forward_batch(qlens, clens, tables, bs, torch.device("cpu"))
             if piecewise:
                 pieces = PiecewiseGraphs(model, kv, idx, max_tokens=64, pad_slot=nb * bs, device=torch.device("cpu"))
-                pieces.carry.clear()
                 h = pieces.run(ids, batch).clone()
                 assert pieces.bucket(T) > T or T == 16       # padding rows ran (and wrote only the scratch block)
+                scores = max(clens) > cfg.index_topk
+                assert {v for v, _ in pieces.keys} == {scores}   # the variant with index queries iff they score
             else:
                 h = model(ids, batch, kv, idx)
             out.append((h, kv[0][:nb * bs].clone()))
