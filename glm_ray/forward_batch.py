@@ -43,8 +43,9 @@ class AttnGroup:
     # host int: key width Kmax of the padded views (None -> max_context_len). A CUDA-graph decode batch
     # sets it to its static capacity (nb * block_size) so every view keeps its captured shape.
     kv_capacity: int | None = None
-    # host hint: the group's rows are exactly T[start:stop] in order (a CUDA-graph decode batch), so
-    # per-row gathers (`x[q_index[:, 0]]`) and scatters back can be slices (None: use the indices)
+    # host hint: the group's rows are exactly T[start:stop] in order (a CUDA-graph decode batch, a
+    # prefill step's group whose sequences sit back to back), so per-row gathers (`x[q_index[:, 0]]`)
+    # and scatters back can be slices (None: use the indices)
     row_span: tuple[int, int] | None = None
     _views: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
@@ -135,10 +136,21 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
     def to(t):
         return t.to(device, non_blocking=True)
     groups = tuple(AttnGroup(*(to(t) for t in g[:7]), block_size=block_size, max_context_len=int(g[5].max()),
-                             mla_mode=g[9], state_slots=to(g[7]), state_fresh=to(g[8]))
+                             mla_mode=g[9], state_slots=to(g[7]), state_fresh=to(g[8]), row_span=_span(g[0]))
                    for g in groups)
     return ForwardBatch(positions=to(positions), slot_mapping=to(slot_mapping), groups=groups,
                         max_context_len=int(cl.max()))
+
+
+def _span(token_index: torch.Tensor) -> tuple[int, int] | None:
+    """(start, stop) when the group's rows are exactly T[start:stop] in order (host tensor), else None."""
+    n = token_index.numel()
+    if n == 0:
+        return None
+    a, b = int(token_index[0]), int(token_index[-1])
+    if b - a + 1 != n or (n > 1 and not bool((token_index[1:] > token_index[:-1]).all())):
+        return None
+    return a, b + 1
 
 
 def contiguous_block_tables(query_lens: list[int], block_size: int) -> list[list[int]]:

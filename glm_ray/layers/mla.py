@@ -127,7 +127,9 @@ class MLAAttention(nn.Module):
         """Attention of every group of the step -> (o [T, h, dv] (written into `out` when given),
         the DSA selections per group for IndexShare layers, or None)."""
         q = query.q                                                             # [T, h, dn+dr]
-        o = out if out is not None else q.new_empty(q.shape[0], self.h, self.dv)   # [T, h, dv]
+        T = q.shape[0]
+        whole = len(batch.groups) == 1 and batch.groups[0].row_span == (0, T)  # one group, rows in order
+        o = out if (out is not None or whole) else q.new_empty(T, self.h, self.dv)   # [T, h, dv]
         selections = []
         for gi, g in enumerate(batch.groups):                                   # decode groups, prefill buckets
             sel = None                                                          # None: dense causal
@@ -141,7 +143,13 @@ class MLAAttention(nn.Module):
                 sel = prev_mask[gi]
             selections.append(sel)
             attend = self._naive if g.mla_mode == "naive" else self._absorbed
-            o.index_copy_(0, g.token_index, attend(q, kv_cache, sel, g))       # [Tg, h, dv] rows
+            og = attend(q, kv_cache, sel, g)                                    # [Tg, h, dv]
+            if o is None:                                                       # the whole step: no copy
+                o = og
+            elif g.row_span is not None:
+                o[g.row_span[0]:g.row_span[1]] = og
+            else:
+                o.index_copy_(0, g.token_index, og)
         return o, (tuple(selections) if self.uses_dsa else None)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeCache | None,
