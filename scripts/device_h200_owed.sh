@@ -83,6 +83,6 @@ if [ $PART = pieces ]; then
   timeout ${STEP_LIM:-330} python3 -m glm_ray.bench.prefill ${PIECE_MODELS:-glm5-flash-31b} --shape ${PIECE_SHAPES:-1x1024 8x1024 1x8192} \
      --quant fp8 --device cuda --profile-top 12 --modes eager piecewise --piecewise-max-tokens ${PIECE_MAX:-8192} \
      --json $OUT/prefill_pieces.jsonl > $OUT/prefill_pieces.log 2>&1; echo "rc=$?" >> $S
-  grep -E "CUDA graphs|capture" $OUT/prefill_pieces.log | cut -c1-300 | head -6 >> $S
+  grep -E "piecewise graphs" $OUT/prefill_pieces.log | cut -c1-300 | head -6 >> $S
   grep -A 12 "^ *model |" $OUT/prefill_pieces.log | tail -12 >> $S
 fi

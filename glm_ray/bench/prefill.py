@@ -198,6 +198,10 @@ def run(models: list[str], shapes: list[tuple[int, int]], *, steps: int = 3, qua
                               max_batch=max(b for b, _ in shapes), max_context=max(n for _, n in shapes) + 1,
                               steps_total=1, block_size=block_size, seed=seed,
                               piecewise_max_tokens=piecewise_max_tokens if graphs else 0)
+        pieces = worker.runner.pieces
+        if verbose and pieces is not None and pieces.graphs:
+            print(f"{model}: {len(pieces.graphs)} piecewise graphs (buckets {pieces.buckets[0]}..{pieces.buckets[-1]}) "
+                  f"captured in {pieces.capture_s:.1f} s")
         for B, L in shapes:
             for mode in modes:
                 row = run_case(worker, model=model, quant=quant, batch=B, length=L, steps=steps, warmup=warmup,

@@ -85,6 +85,7 @@ class PiecewiseGraphs:
         self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}   # (bucket, variant, piece)
         self.pool = None
         self.replay_s = 0.0                                                     # host seconds inside replay()
+        self.capture_s = 0.0                                                    # start-up seconds of capture()
 
     # ---- the pieces over the static buffers -------------------------------------------------------
     def fits(self, num_tokens: int) -> bool:
@@ -156,6 +157,7 @@ class PiecewiseGraphs:
                     self.graphs[(Tp, scores, k)] = g
         torch.cuda.synchronize(self.device)
         used = torch.cuda.memory_allocated(self.device) - before
+        self.capture_s = time.perf_counter() - t0
         logger.info("CUDA graphs: %d piecewise graphs (%d pieces x %d variants x token buckets %s) captured in "
                     "%.1f s, %.0f MiB", len(self.graphs), self.inner.num_pieces, len(self.variants()), self.buckets,
                     time.perf_counter() - t0, used / 2**20)
