@@ -69,12 +69,12 @@ BITS_BLOCK = 1024             # indices per step of the bitmap kernel
 # --------------------------------------------------------------------------------------------
 
 def _config(d_qk: int, d_v: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per head dims. Not tuned on a GPU yet (`python -m
-    glm_ray.bench.attention --mode prefill --config ...` sweeps one): the fp32 [BLOCK_M, dv]
-    accumulator is the register budget — 64 x 256 over 8 warps is 64 fp32 registers a thread
-    (GLM-5 and glm5-flash-31b: q/k 256, v 256; GLM-5.3-Flash: 256 / 256, NoPE)."""
-    if d_v > 128 or d_qk > 256:
-        return 64, 64, 8, 2
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per head dims (GLM-5 and glm5-flash-31b: q/k 192 + 64,
+    v 256; GLM-5.3-Flash: 256 / 256, NoPE). Swept on the H200 at h = 32 (`python -m glm_ray.bench.attention
+    --mode prefill --heads 32 --prefill-shapes 1x2048 8x1024 1x8192 --config BM BN WARPS STAGES`,
+    docs/measurements/2026-12-02/s21-mla-prefill-configs): 128 x 64, 8 warps, 2 stages runs the attention
+    at 247 / 245 / 378 TFLOPS (1x2k / 8x1k / 1x8k dense; 1x8k sparse 115) against 145 / 141 / 181 (83)
+    for the earlier 64 x 64; with 4 or 16 warps 85-240; 3 stages, BN 128 or BM 256 did not launch."""
     return 128, 64, 8, 2
 
 
