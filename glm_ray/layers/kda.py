@@ -110,19 +110,37 @@ class KimiDeltaAttention(nn.Module):
             return self.lower_bound * torch.sigmoid(rate * a)
         return -rate * F.softplus(a, threshold=20.0)
 
+    # ---- forward in three parts: projections | the recurrent core per group | output; a piecewise CUDA
+    # graph (worker/piecewise_graph.py) captures the first and the last and runs the core eagerly
+    def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x [T, D] -> mixed [T, 3·h·dk] (q|k|v before the short conv), g [T, h, dk] fp32 (log-decay),
+        beta [T, h] fp32, gate [T, h, dk] (the output norm's gate)."""
+        T = x.shape[0]
+        return {"mixed": torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1),
+                "g": self.forget_gate(x), "beta": torch.sigmoid(self.b_proj(x).float()),
+                "gate": self.g_b_proj(self.g_a_proj(x)).view(T, self.h, self.dk)}
+
+    def attend(self, proj: dict[str, torch.Tensor], batch: ForwardBatch, conv_state: torch.Tensor,
+               rec_state: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The short conv + delta rule of every group -> o [T, h, dv] (into `out` when given); reads and
+        updates the conv_state / rec_state rows in place."""
+        mixed = proj["mixed"]
+        o = out if out is not None else mixed.new_empty(mixed.shape[0], self.h, self.dv)   # [T, h, dv]
+        w = self.conv_weight()                                                # [3·h·dk, K] fp32
+        for grp in batch.groups:
+            o.index_copy_(0, grp.token_index, self._group(grp, mixed, proj["g"], proj["beta"], w, conv_state,
+                                                          rec_state))
+        return o
+
+    def finish(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o [T, h, dv], gate [T, h, dk] -> o_proj(o_norm(o, gate)) [T, D]."""
+        return self.o_proj(self.o_norm(o, gate).reshape(o.shape[0], self.h * self.dv))
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
                 rec_state: torch.Tensor) -> torch.Tensor:
         """x [T, D] packed tokens -> [T, D]; reads and updates conv_state / rec_state rows in place."""
-        T = x.shape[0]
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)   # [T, 3·h·dk]
-        g = self.forget_gate(x)                                               # [T, h, dk] fp32
-        beta = torch.sigmoid(self.b_proj(x).float())                          # [T, h] fp32
-        w = self.conv_weight()                                                # [3·h·dk, K] fp32
-        o = x.new_empty(T, self.h, self.dv)                                   # [T, h, dv]
-        for grp in batch.groups:
-            o.index_copy_(0, grp.token_index, self._group(grp, mixed, g, beta, w, conv_state, rec_state))
-        gate = self.g_b_proj(self.g_a_proj(x)).view(T, self.h, self.dk)       # [T, h, dk]
-        return self.o_proj(self.o_norm(o, gate).reshape(T, self.h * self.dv))
+        proj = self.project(x)
+        return self.finish(self.attend(proj, batch, conv_state, rec_state), proj["gate"])
 
     def _group(self, grp: AttnGroup, mixed, g, beta, w, conv_state, rec_state) -> torch.Tensor:
         """One group on its padded view [B, Qmax]; returns its outputs [Tg, h, dv] in token_index order."""

@@ -38,6 +38,11 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, batch, kv_caches, index_caches, state_caches=None) -> torch.Tensor:
         raise NotImplementedError
 
+    def piecewise(self) -> nn.Module | None:
+        """The module whose forward is split into pieces between attentions (`num_pieces`, `piece`,
+        `attend`, `out_key`, `attn_outputs`, `index_queries`; worker/piecewise_graph.py), or None."""
+        return None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()                                     # [N, V] fp32
 

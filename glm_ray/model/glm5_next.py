@@ -7,6 +7,9 @@ sublayer, and MoE with clamped SwiGLU.
                 x = hc_ffn.collapse(streams)  -> mlp(RMSNorm(x))   -> hc_ffn.expand
     hidden = RMSNorm(mean over streams)
 
+The forward is a loop of pieces (everything between two mixer cores) and cores (KDA's conv + delta
+rule, MLA's attention), as GLM-5's: the piecewise CUDA graphs replay the pieces.
+
 The mixer is `KimiDeltaAttention` (a fixed-size recurrent state per sequence, `state_caches`) or
 `MLAAttention` (paged latent cache, `kv_caches`; its indexer is the k-pool one). The vision tower and
 the MTP layer of the checkpoint are not loaded (text serving; speculative decoding comes later).
@@ -24,7 +27,7 @@ from glm_ray.forward_batch import ForwardBatch
 from glm_ray.layers.embedding import VocabParallelEmbedding
 from glm_ray.layers.kda import KimiDeltaAttention
 from glm_ray.layers.mhc import HyperConnection
-from glm_ray.layers.mla import MLAAttention
+from glm_ray.layers.mla import MLAAttention, MLAQuery
 from glm_ray.layers.norm import RMSNorm
 from glm_ray.model.base import CausalLM, make_mlp
 
@@ -51,18 +54,34 @@ class HybridDecoderLayer(nn.Module):
         self.hc_attn = HyperConnection(cfg.hc_mult, cfg.hidden_size, **hc)
         self.hc_ffn = HyperConnection(cfg.hc_mult, cfg.hidden_size, **hc)
 
-    def forward(self, streams, batch, kv_cache, index_cache, state, prev_mask):
+    # ---- a layer around its mixer's core; the core is the boundary a piecewise CUDA graph leaves eager
+    def mixer_inputs(self, streams, batch, kv_cache, index_cache, index_queries: bool, out=None) -> dict:
+        """streams [T, n, D] -> the carry of this layer's mixer core: the streams with the hc_attn
+        coefficients (post [T, n], comb [T, n, n]) and the mixer's projections (KDA: mixed / g / beta /
+        gate; MLA: q and, when computed, the index queries iq / iw; cache rows written)."""
         x, post, comb = self.hc_attn.collapse(streams)                          # [T, D]
         x = self.input_layernorm(x)
-        mask = prev_mask                                                        # IndexShare masks pass KDA layers
+        carry = {"streams": streams, "post": post, "comb": comb}
         if self.linear:
-            h = self.self_attn(x, batch, *state)
+            carry.update(self.self_attn.project(x))
         else:
-            h, mask = self.self_attn(x, batch, None, kv_cache, index_cache, prev_mask)
-        streams = self.hc_attn.expand(h, streams, post, comb)                   # [T, n, D]
+            query = self.self_attn.project(x, batch, None, kv_cache, index_cache, index_queries, out)
+            carry["q"] = query.q
+            if query.index_q is not None:
+                carry["iq"], carry["iw"] = query.index_q
+        return carry
+
+    def after_mixer(self, carry: dict, o: torch.Tensor) -> torch.Tensor:
+        """The mixer core's output o [T, h, dv] -> the layer's output streams [T, n, D] (mixer output
+        projection, hc_attn expand, then the FFN sublayer between hc_ffn's collapse and expand)."""
+        if self.linear:
+            h = self.self_attn.finish(o, carry["gate"])
+        else:
+            h = self.self_attn.o_proj(o.reshape(o.shape[0], -1))
+        streams = self.hc_attn.expand(h, carry["streams"], carry["post"], carry["comb"])   # [T, n, D]
         x, post, comb = self.hc_ffn.collapse(streams)
         h = self.mlp(self.post_attention_layernorm(x))
-        return self.hc_ffn.expand(h, streams, post, comb), mask
+        return self.hc_ffn.expand(h, streams, post, comb)
 
 
 class Glm5NextTextModel(nn.Module):
@@ -76,14 +95,62 @@ class Glm5NextTextModel(nn.Module):
                                                        tp=tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, params_dtype)
 
+    # ---- the forward as pieces between mixer cores (worker/piecewise_graph.py replays `piece` as graphs)
+    @property
+    def num_pieces(self) -> int:
+        return self.cfg.num_hidden_layers + 1
+
+    def out_key(self, i: int) -> str:
+        """The carry key of layer i's core output (KDA and MLA outputs differ in shape)."""
+        return "o_kda" if self.layers[i].linear else "o"
+
+    def attn_outputs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Row shape and dtype of each core output key."""
+        out, dt = {}, self.embed_tokens.weight.dtype
+        for layer in self.layers:
+            a = layer.self_attn
+            out["o_kda" if layer.linear else "o"] = ((a.h, a.dv), dt)
+        return out
+
+    def index_queries(self, batch: ForwardBatch) -> bool:
+        return any(not layer.linear and layer.self_attn.scores(batch) for layer in self.layers)
+
+    def piece(self, k: int, carry: dict, batch: ForwardBatch, kv_caches, index_caches, index_queries: bool,
+              out: dict | None = None) -> dict:
+        """Piece k: embedding + layer 0's mixer inputs (k = 0); layer k-1 after its core + layer k's mixer
+        inputs; the final norm over the mean of the streams (k = L) -> {"hidden"}. See GlmMoeDsaModel.piece."""
+        if k == 0:
+            x = self.embed_tokens(carry["ids"])                                 # [T, D]
+            streams = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()   # [T, n, D]
+        else:
+            streams = self.layers[k - 1].after_mixer(carry, carry[self.out_key(k - 1)])
+        if k == self.cfg.num_hidden_layers:
+            return {"hidden": self.norm(streams.mean(1))}                       # [T, D]
+        return self.layers[k].mixer_inputs(streams, batch, kv_caches[k], index_caches.get(k), index_queries, out)
+
+    def attend(self, i: int, carry: dict, batch: ForwardBatch, kv_caches, index_caches, state_caches: StateCaches,
+               prev_mask, out: torch.Tensor | None = None):
+        """Layer i's mixer core (eager in a piecewise graph) -> (o [T, h, dv], the IndexShare selections;
+        KDA layers pass the previous ones on)."""
+        layer = self.layers[i]
+        if layer.linear:
+            return layer.self_attn.attend(carry, batch, *state_caches[i], out), prev_mask
+        iq = (carry["iq"], carry["iw"]) if "iq" in carry else None
+        return layer.self_attn.attend(MLAQuery(carry["q"], iq), batch, kv_caches[i], index_caches.get(i),
+                                      prev_mask, out)
+
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches, index_caches,
-                state_caches: StateCaches) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)                                        # [T, D]
-        streams = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()   # [T, n, D]
-        mask = None
-        for i, layer in enumerate(self.layers):
-            streams, mask = layer(streams, batch, kv_caches[i], index_caches.get(i), state_caches.get(i), mask)
-        return self.norm(streams.mean(1))                                       # [T, D]
+                state_caches: StateCaches, run_piece=None) -> torch.Tensor:
+        """ids [T] -> hidden [T, D]; `run_piece` as GlmMoeDsaModel.forward's."""
+        iq = self.index_queries(batch)
+        run_piece = run_piece or (lambda k, carry: self.piece(k, carry, batch, kv_caches, index_caches, iq))
+        carry, mask = run_piece(0, {"ids": input_ids}), None
+        for i in range(self.cfg.num_hidden_layers):
+            key = self.out_key(i)
+            carry[key], mask = self.attend(i, carry, batch, kv_caches, index_caches, state_caches, mask,
+                                           carry.get(key))
+            carry = run_piece(i + 1, carry)
+        return carry["hidden"]
 
 
 class Glm5NextForCausalLM(CausalLM):
@@ -101,8 +168,11 @@ class Glm5NextForCausalLM(CausalLM):
         m = re.match(r"^model\.language_model\.layers\.(\d+)\.", name)
         return m is not None and int(m.group(1)) >= self.cfg.num_hidden_layers
 
-    def forward(self, input_ids, batch, kv_caches, index_caches, state_caches=None) -> torch.Tensor:
-        return self.model.language_model(input_ids, batch, kv_caches, index_caches, state_caches or {})
+    def forward(self, input_ids, batch, kv_caches, index_caches, state_caches=None, run_piece=None) -> torch.Tensor:
+        return self.model.language_model(input_ids, batch, kv_caches, index_caches, state_caches or {}, run_piece)
+
+    def piecewise(self):
+        return self.model.language_model
 
     def checkpoint_name(self, name: str) -> str:
         """mHC parameters are flat on disk: `...hc_attn.fn` is stored as `...hc_attn_fn`."""

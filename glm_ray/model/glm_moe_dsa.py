@@ -93,11 +93,14 @@ class GlmMoeDsaModel(nn.Module):
     def num_pieces(self) -> int:
         return self.cfg.num_hidden_layers + 1
 
-    @property
-    def attn_out_dims(self) -> tuple[int, int]:
-        """(heads on this rank, v_head_dim): the attention output's row shape."""
+    def out_key(self, i: int) -> str:
+        """The carry key of layer i's attention output."""
+        return "o"
+
+    def attn_outputs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Row shape (heads on this rank, v_head_dim) and dtype of the attention output."""
         attn = self.layers[0].self_attn
-        return attn.h, attn.dv
+        return {"o": ((attn.h, attn.dv), self.embed_tokens.weight.dtype)}
 
     def piece(self, k: int, carry: dict, batch: ForwardBatch, kv_caches: list[torch.Tensor],
               index_caches: dict[int, torch.Tensor], index_queries: bool,
@@ -144,7 +147,8 @@ class GlmMoeDsaModel(nn.Module):
         run_piece = run_piece or (lambda k, carry: self.piece(k, carry, batch, kv_caches, index_caches, iq))
         carry, mask = run_piece(0, {"ids": input_ids}), None
         for i in range(self.cfg.num_hidden_layers):
-            carry["o"], mask = self.attend(i, carry, batch, kv_caches, index_caches, mask, carry.get("o"))
+            key = self.out_key(i)
+            carry[key], mask = self.attend(i, carry, batch, kv_caches, index_caches, mask, carry.get(key))
             carry = run_piece(i + 1, carry)
         return carry["hidden"]
 
@@ -156,3 +160,6 @@ class GlmMoeDsaForCausalLM(CausalLM):
 
     def forward(self, input_ids, batch, kv_caches, index_caches, state_caches=None, run_piece=None) -> torch.Tensor:
         return self.model(input_ids, batch, kv_caches, index_caches, run_piece)   # [T, D] final-normed
+
+    def piecewise(self):
+        return self.model

@@ -102,9 +102,6 @@ class ModelRunner:
         # CUDA graphs pad their batches with rows that write one scratch block / state row: one more each
         use_graphs = graphs_enabled(cfg, device)
         piece_tokens = piecewise_max_tokens(cfg, model, device)
-        if use_graphs and not piece_tokens and not supports_pieces(model):
-            logger.info("piecewise CUDA graphs: %s's forward is not split at attention yet; prefill steps run "
-                        "eagerly", type(model).__name__)
         scratch = 1 if (use_graphs or piece_tokens) else 0
         self.kv_caches, self.index_caches, self.state_caches = allocate_caches(
             model_cfg, (num_blocks + scratch) * self.block_size, cfg.scheduler.max_num_seqs + scratch,
@@ -153,7 +150,7 @@ class ModelRunner:
         """Piecewise prefill graphs (worker/piecewise_graph.py), in the decode graphs' pool; on any capture
         failure, eager prefill with an error log."""
         extra = [self.cfg.fp8_proj_min_tokens] if self.cfg.fp8_proj_gemm else []   # the FP8-projection switch
-        pieces = PiecewiseGraphs(self.model, self.kv_caches, self.index_caches, max_tokens=max_tokens,
+        pieces = PiecewiseGraphs(self.model, self.kv_caches, self.index_caches, self.state_caches, max_tokens=max_tokens,
                                  pad_slot=num_blocks * self.block_size, device=self.device, extra_boundaries=extra)
         if self.device.type != "cuda":          # tests: the static-buffer path without capture
             return pieces

@@ -27,9 +27,13 @@ residual stream is copied into its own once per piece. What differs from eager: 
 choices (the small-M FP8 GEMM, the MoE decode kernels, the FP8-projection threshold, inserted as a
 bucket boundary) see Tp instead of T.
 
+GLM-5.3-Flash splits the same way around its mixer cores: a piece carries the mHC streams and
+coefficients and the mixer's projections (KDA: q|k|v before the short conv, decay, beta, output gate;
+NoPE MLA: queries), and the eager core is KDA's conv + delta rule over the state slots or the MLA
+attention.
+
 Not captured: steps above the largest bucket (`EngineConfig.piecewise_graph_max_tokens`, default the
-step budget max_num_batched_tokens), models without pieces (GLM-5.3-Flash: its KDA layers and mHC streams
-are not split yet; eager with a log line), `--enforce-eager`. On the CPU nothing is captured, but the
+step budget max_num_batched_tokens), `--enforce-eager`, forced MLA forms. On the CPU nothing is captured, but the
 tests run the same static-buffer path (`run` without graphs) against the eager forward.
 """
 from __future__ import annotations
@@ -61,26 +65,27 @@ def token_buckets(max_tokens: int, extra: Iterable[int] = ()) -> list[int]:
 
 
 def supports_pieces(model: torch.nn.Module) -> bool:
-    """The model's forward is split into `piece`s around its attentions (glm_moe_dsa)."""
-    inner = getattr(model, "model", None)
-    return callable(getattr(inner, "piece", None))
+    """The model's forward is split into `piece`s around its attentions (`CausalLM.piecewise`)."""
+    return callable(getattr(model, "piecewise", None)) and model.piecewise() is not None
 
 
 class PiecewiseGraphs:
     """Static buffers + one captured graph per (bucket, piece); `run` stages a step and runs the model's
     forward with the pieces replayed."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches, index_caches, *, max_tokens: int, pad_slot: int,
-                 device: torch.device, extra_boundaries: Iterable[int] = ()):
-        self.model, self.inner = model, model.model
-        self.kv_caches, self.index_caches = kv_caches, index_caches
+    def __init__(self, model: torch.nn.Module, kv_caches, index_caches, state_caches=None, *, max_tokens: int,
+                 pad_slot: int, device: torch.device, extra_boundaries: Iterable[int] = ()):
+        self.model, self.inner = model, model.piecewise()
+        self.kv_caches, self.index_caches, self.state_caches = kv_caches, index_caches, state_caches or {}
         self.buckets = token_buckets(max_tokens, extra_boundaries)
         self.device, self.pad_slot = device, pad_slot
         n = self.buckets[-1]
         self.ids = torch.zeros(n, dtype=torch.int64, device=device)             # [N]
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)       # [N]
         self.slot_mapping = torch.full((n,), pad_slot, dtype=torch.int64, device=device)   # [N]
-        self.carry: dict[str, torch.Tensor] = {}      # key -> [N, ...] static buffer (made at the first run)
+        # key -> [N, ...] static buffer: the attentions' outputs now, the pieces' outputs at their first run
+        self.carry: dict[str, torch.Tensor] = {key: torch.zeros(n, *shape, dtype=dt, device=device)
+                                               for key, (shape, dt) in self.inner.attn_outputs().items()}
         self.keys: dict[tuple[bool, int], tuple[str, ...]] = {}   # (variant, piece) -> the carry keys it writes
         self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}   # (bucket, variant, piece)
         self.pool = None
@@ -112,7 +117,7 @@ class PiecewiseGraphs:
         the previous piece's keys and the attention output after)."""
         if k == 0:
             return {"ids": self.ids[:rows]}
-        return self._views((*self.keys[(scores, k - 1)], "o"), rows)
+        return self._views((*self.keys[(scores, k - 1)], self.inner.out_key(k - 1)), rows)
 
     def _piece(self, scores: bool, k: int, Tp: int) -> None:
         """Run piece k at bucket Tp on the static buffers (eager or under capture): the queries written
@@ -124,9 +129,6 @@ class PiecewiseGraphs:
             for key, t in out.items():
                 if key not in self.carry:
                     self.carry[key] = torch.zeros(self.buckets[-1], *t.shape[1:], dtype=t.dtype, device=t.device)
-            if "o" not in self.carry and "q" in out:                            # the attention output [N, h, dv]
-                h, dv = self.inner.attn_out_dims
-                self.carry["o"] = torch.zeros(self.buckets[-1], h, dv, dtype=out["q"].dtype, device=self.device)
         for key, t in out.items():
             dst = self.carry[key][:Tp]
             if t.data_ptr() != dst.data_ptr():                  # (written in place, or rope passed through)
@@ -183,9 +185,11 @@ class PiecewiseGraphs:
                 t0 = time.perf_counter()
                 g.replay()
                 self.replay_s += time.perf_counter() - t0
-            return self._views((*self.keys[(scores, k)], "o"), T)
+            last = k == self.inner.num_pieces - 1
+            return self._views((*self.keys[(scores, k)], *(() if last else (self.inner.out_key(k),))), T)
 
-        return self.model(self.ids[:T], batch, self.kv_caches, self.index_caches, run_piece=run_piece)
+        return self.model(self.ids[:T], batch, self.kv_caches, self.index_caches, self.state_caches,
+                          run_piece=run_piece)
 
     def _fill_padding(self, t0: int, t1: int) -> None:
         """Rows [t0, t1): token 0 at position 0 into the scratch slot."""

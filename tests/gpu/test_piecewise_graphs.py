@@ -1,6 +1,6 @@
 """Piecewise prefill graphs on the GPU (worker/piecewise_graph.py): captured for every (token bucket, piece),
 a replayed forward == the eager forward for prefill, chunked and mixed steps (contexts below and past
-index_topk), and an engine serving with them generates what an engine without them does.
+index_topk), and an engine serving with them generates what an engine without them does (GLM-5 and GLM-5.3-Flash).
 
 fp32: the same greedy tokens, logprobs within 1e-3 (padding rows change cuBLAS's algorithm choice, so equal
 only to reduction order). bf16: the Triton kernels inside the graphs; the tiny random model is chaotic under
@@ -36,14 +36,24 @@ def _generate(llm):
     return llm.generate(_prompts(), sps, use_tqdm=False)
 
 
-def test_engine_with_piecewise_graphs_equals_without_fp32(oracle_dir):
+@pytest.fixture(params=["glm5", "glm53"])
+def model_dir(request, oracle_dir, tmp_path_factory):
+    if request.param == "glm5":
+        return oracle_dir
+    from tests.flash_tiny import available, write_flash_tiny  # noqa: PLC0415
+    if not available():
+        pytest.skip("transformers without glm5_next")
+    return write_flash_tiny(tmp_path_factory.mktemp("g53pw") / "tiny")
+
+
+def test_engine_with_piecewise_graphs_equals_without_fp32(model_dir):
     torch.backends.cuda.matmul.allow_tf32 = False
-    base, _ = _llm(oracle_dir, "float32", 0)
+    base, _ = _llm(model_dir, "float32", 0)
     eager = _generate(base)
     del base
-    llm, runner = _llm(oracle_dir, "float32", 256)
+    llm, runner = _llm(model_dir, "float32", 256)
     pieces = runner.pieces
-    assert len(pieces.graphs) == len(pieces.buckets) * len(pieces.variants()) * runner.model.model.num_pieces
+    assert len(pieces.graphs) == len(pieces.buckets) * len(pieces.variants()) * runner.model.piecewise().num_pieces
     graph = _generate(llm)
     for a, b in zip(eager, graph):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
