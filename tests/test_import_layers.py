@@ -55,6 +55,7 @@ DEFERRED = {
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.moe_decode"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.norm"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.cache_write"): "triton, only on the cuda backend",
+    ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.rope"): "triton, only on the cuda backend",
     ("glm_ray.worker.worker_group", "glm_ray.worker.step_channel"): "engine-in-rank-0 mode only",
 }
 

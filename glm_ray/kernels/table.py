@@ -89,6 +89,10 @@ class KernelOps:
     # rope_dim = 0), rope_dim, interleave, key_cache [S, di], slot_mapping [T] int64):
     # key_cache[slot] = LayerNorm(k) (input dtype) with apply_rope on its FIRST rope_dim dims
     indexer_key_write: Callable | None = None
+    # rotary embedding of a query's rope dims, in place: (x [T, H, D] unit last stride, cos [T, dr], sin [T, dr]
+    # (RopeCache layout), interleave, start) -> None; x[..., start:start+dr] = apply_rope(x[..., start:start+dr])
+    # (MLA's q: start = qk_nope_head_dim; the DSA indexer's q: start = 0) — kernels/torch_ref/rope.py
+    rope_inplace: Callable | None = None
     # RMSNorm, fp32 statistics: (x [T, D], weight [D], eps, residual [T, D] | None) -> y [T, D] =
     # weight * rms_norm(x.float()).to(x.dtype); with a residual -> (y of s, s = x + residual in x's dtype, the
     # new residual stream) — kernels/torch_ref/norm.py. x / residual may be strided row views ([..., D] accepted)

@@ -18,7 +18,7 @@ from glm_ray.config import ModelConfig
 from glm_ray.forward_batch import AttnGroup, ForwardBatch
 from glm_ray.layers.linear import ReplicatedLinear
 from glm_ray.layers.norm import LayerNorm
-from glm_ray.layers.rotary import RopeCache, apply_rope
+from glm_ray.layers.rotary import RopeCache
 from glm_ray.quant import Unquantized
 
 # Bound on one scoring tile (per-head scores, gathered keys) of the selection, passed to the kernel op
@@ -41,11 +41,6 @@ class Indexer(nn.Module):
         self.weights_proj = ReplicatedLinear(cfg.hidden_size, self.n_heads, quant_config=Unquantized(),
                                              prefix=f"{prefix}.weights_proj", params_dtype=torch.float32)
 
-    def _rope(self, x, rope: RopeCache | None):
-        r = self.rope_dim
-        if r == 0:                                                           # NoPE (GLM-5.3-Flash)
-            return x
-        return torch.cat([apply_rope(x[..., :r], rope, self.interleave), x[..., r:]], dim=-1)
 
     def write_keys(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeCache, key_cache: torch.Tensor) -> None:
         """Cache the new tokens' index keys (every token of the step, once per layer): k_norm + rope + cast +
@@ -59,7 +54,9 @@ class Indexer(nn.Module):
         """Index queries and head weights of every row of T (once per layer, shared by its groups), fp32;
         written into `qi_out` / `w_out` when given."""
         T = x.shape[0]
-        qi = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), rope)   # [T, Hi, di]
+        qi = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)           # [T, Hi, di]
+        if self.rope_dim:                                                     # rope FIRST, in place (NoPE: none)
+            kernels.ops().rope_inplace(qi, rope.cos, rope.sin, self.interleave, 0)
         w = torch.mul(self.weights_proj(x.float()), self.n_heads ** -0.5, out=w_out)   # [T, Hi] fp32
         return (qi.float() if qi_out is None else qi_out.copy_(qi)), w
 

@@ -29,7 +29,7 @@ from glm_ray.layers.indexer import Indexer
 from glm_ray.layers.kpool_indexer import KPoolIndexer
 from glm_ray.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.layers.norm import RMSNorm
-from glm_ray.layers.rotary import RopeCache, apply_rope
+from glm_ray.layers.rotary import RopeCache
 
 
 @dataclass
@@ -107,8 +107,10 @@ class MLAAttention(nn.Module):
         else:
             q_resid, q = None, self.q_proj(x)
         q = q.view(T, self.h, self.dn + self.dr)                                # [T, h, dn+dr]
-        if self.dr:
-            q = torch.cat([q[..., :self.dn], apply_rope(q[..., self.dn:], rope, self.interleave)], -1, out=out.get("q"))
+        if self.dr:                                                             # rope of q_pe, in place
+            kernels.ops().rope_inplace(q, rope.cos, rope.sin, self.interleave, self.dn)
+        if "q" in out:
+            q = out["q"].copy_(q)
         ckv = self.kv_a_proj_with_mqa(x)                                        # [T, r+dr]
         # cache row [kv_a_layernorm(c) | rope(k_pe)] at slot_mapping: one `mla_kv_write` op
         cos, sin = (rope.cos, rope.sin) if self.dr else (None, None)           # [T, dr] each

@@ -35,6 +35,8 @@
 * mla_kv_write / indexer_key_write: norm + rope + cast + scatter of a token's cache row in one Triton launch
   (cache_write.py). Reference when: not CUDA, sm < 80, an activation / weight / cache dtype other than
   bf16 / fp16 / fp32, a cache whose rows are not contiguous, an odd rope width.
+* rope_inplace: one Triton launch (rope.py). Reference when: not CUDA, sm < 80, a dtype other than
+  bf16 / fp16 / fp32, x not [T, H, D] with a unit last stride, an odd rope width.
 * rms_norm (with the optional fused residual add): one Triton launch (norm.py). Reference when: not CUDA,
   sm < 80, x not bf16/fp16 (fp32 runs are test configurations and get the exact reference), weight or
   residual dtype != x's, D > 8192.
@@ -75,6 +77,7 @@ from glm_ray.kernels.torch_ref.kda import kda_decode as ref_kda_decode
 from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref_mhc
 from glm_ray.kernels.torch_ref.mxfp4 import canonical_scale_mode
 from glm_ray.kernels.torch_ref.norm import rms_norm as ref_rms_norm
+from glm_ray.kernels.torch_ref.rope import rope_inplace as ref_rope_inplace
 from glm_ray.kernels.torch_ref.routing import moe_routing as ref_moe_routing
 
 logger = logging.getLogger(__name__)
@@ -504,6 +507,22 @@ class CudaKernels:
         return self._guarded("indexer_key_write", lambda: fast(*args),
                              lambda: ref_cache_write.indexer_key_write(*args))
 
+    # ---- rotary embedding of a query, in place ----------------------------------------------------
+    def rope_inplace(self, x, cos, sin, interleave: bool, start: int):
+        args = (x, cos, sin, interleave, start)
+        reason = (self._gpu_reason(x, 80, need_triton=True)
+                  or (f"dtype {x.dtype}" if x.dtype not in (*HALF_DTYPES, torch.float32) else None)
+                  or (f"cos/sin dtype {cos.dtype}/{sin.dtype}" if cos.dtype not in (*HALF_DTYPES, torch.float32)
+                      or sin.dtype not in (*HALF_DTYPES, torch.float32) else None)
+                  or ("x is not [T, H, D] with a unit last stride" if x.dim() != 3 or x.stride(-1) != 1 else None)
+                  or (f"odd rope width {cos.shape[-1]}" if cos.shape[-1] % 2 else None))
+        if reason is not None:
+            self._fallback("rope_inplace", reason)
+            return ref_rope_inplace(*args)
+        from glm_ray.kernels.cuda.rope import rope_inplace as fast  # noqa: PLC0415 (imports triton)
+        return self._guarded("rope_inplace", lambda: fast(x, cos.contiguous(), sin.contiguous(), interleave, start),
+                             lambda: ref_rope_inplace(*args))
+
     # ---- RMSNorm (+ fused residual add) ---------------------------------------------------------
     def rms_norm(self, x, weight, eps: float, residual=None):
         reason = (self._gpu_reason(x, 80, need_triton=True)
@@ -530,5 +549,5 @@ def make_ops(fp8_gemm: str | None = None):
                      fused_moe_mxfp4=k.fused_moe_mxfp4, mxfp4_linear=k.mxfp4_linear,
                      mhc_coefficients=k.mhc_coefficients, kda_decode=k.kda_decode, mla_decode=k.mla_decode,
                      mla_prefill=k.mla_prefill, indexer_topk=k.indexer_topk, moe_routing=k.moe_routing,
-                     rms_norm=k.rms_norm,
+                     rms_norm=k.rms_norm, rope_inplace=k.rope_inplace,
                      mla_kv_write=k.mla_kv_write, indexer_key_write=k.indexer_key_write)

@@ -18,3 +18,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
         x1, x2 = x.chunk(2, dim=-1)
         xs = x
     return torch.addcmul(xs * c, torch.cat([x2, x1], -1), s)
+
+
+def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, start: int) -> None:
+    """The `rope_inplace` op's reference: x [T, H, D] (last dim unit-stride), cos / sin [T, dr] ->
+    x[..., start:start + dr] = rope(x[..., start:start + dr]) in place (MLA's query: start = qk_nope_head_dim;
+    the DSA indexer's query: start = 0)."""
+    dr = cos.shape[-1]
+    part = x[..., start:start + dr]
+    part.copy_(rope(part, cos, sin, interleave))
