@@ -38,21 +38,9 @@ R, DR, DI, ROPE_DIM = 512, 64, 128, 64
 NUM_BLOCKS = 256                                     # 4096 slots of 16
 
 
-@pytest.fixture(scope="module")
-def ck():
-    from glm_ray.kernels.cuda import CudaKernels
-    k = CudaKernels()
-    if k.tk is None:
-        pytest.skip(k.triton_error)
-    return k
-
-
 @pytest.fixture(autouse=True)
-def _no_fallbacks(ck):
-    ck.fallbacks.clear()
+def _no_fallbacks(no_fallbacks):                      # tests/gpu/conftest.py
     yield
-    assert not ck.fallbacks, f"reference fallbacks: {dict(ck.fallbacks)}"
-    assert not ck.broken, ck.broken
 
 
 def _gpu(*ts):

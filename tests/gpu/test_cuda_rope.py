@@ -15,21 +15,9 @@ from glm_ray.kernels.torch_ref.rope import rope_inplace as ref  # noqa: E402
 from tests.kernels.test_cache_write_ops import rope_cache  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def ck():
-    from glm_ray.kernels.cuda import CudaKernels
-    k = CudaKernels()
-    if k.tk is None:
-        pytest.skip(k.triton_error)
-    return k
-
-
 @pytest.fixture(autouse=True)
-def _no_fallbacks(ck):
-    ck.fallbacks.clear()
+def _no_fallbacks(no_fallbacks):                      # tests/gpu/conftest.py
     yield
-    assert not ck.fallbacks, f"reference fallbacks: {dict(ck.fallbacks)}"
-    assert not ck.broken, ck.broken
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
