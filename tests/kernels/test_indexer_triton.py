@@ -231,3 +231,26 @@ def test_prefill_rows_match_engine_indexer_topk(monkeypatch, impl, max_bytes):
                 assert gs == rs and len(gs) == min(topk, n) and max(gs) < n, (b, i, gs, rs)
                 seen += 1
     assert seen == 7 + 12 + 5 + 1 and len(fb.groups) >= 2          # every query once (the decode group too)
+
+
+@pytest.mark.parametrize("query_lens,context_lens", [([150, 3, 70], [150, 40, 200]), ([65], [65])])
+def test_prefill_tiles_score_like_one_row_per_query(monkeypatch, query_lens, context_lens):
+    """The tiled prefill scores == the decode kernel run with one row per query (its sequence's table, its
+    causal length): sequences of more rows than a tile (several tiles each, a partial last one), a chunk
+    after a cached prefix, tiles whose keys lie wholly past their rows (-inf); fp32 summation order aside."""
+    monkeypatch.setattr(K, "PREFILL_BLOCK_M", 32)
+    monkeypatch.setattr(K, "PREFILL_BLOCK_N", 32)
+    qi, w, key_cache, fb = _prefill_case(query_lens, context_lens, 8, seed=11)
+    group = next(g for g in fb.groups if g.q_index.shape[1] > 1)
+    ql, cl = group.query_lens.long(), group.context_lens.long()
+    start = torch.cumsum(ql, 0) - ql
+    q, ww = qi[group.token_index], w[group.token_index]
+    kmax = group.max_context_len
+    got = K.indexer_prefill_scores(q, ww, key_cache, group.block_table.contiguous(), start.to(torch.int32),
+                                   ql.to(torch.int32), (cl - ql).to(torch.int32), kmax, group.block_size)
+    seq = group.packed // group.q_index.shape[1]
+    lens = ((cl - ql)[seq] + group.packed % group.q_index.shape[1] + 1).to(torch.int32)
+    want = K.indexer_decode_scores(q, ww, key_cache, group.block_table[seq], lens, group.block_size, kmax)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = ~torch.isinf(want)
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5)
