@@ -16,6 +16,8 @@
 #                 glm5-slice-6l FP8 dummy, 1x1k 8x1k 1x8k 4x8k (#20 measure 1)
 #   PART=pieces   the piecewise prefill graphs: their GPU test, then bench.prefill eager vs piecewise in one
 #                 process (glm5-flash-31b FP8 dummy, ${PIECE_SHAPES:-1x1024 8x1024 1x8192}; #20 measure 1)
+#   PART=moe      bench.moe_prefill: a tile sweep of the grouped MoE at 512 / 2048 / 8192 tokens, FP8, both
+#                 expert shapes (#20 item 3); pick the best per size class into layout.moe_configs
 #   PART=all      tests, prefill, grammar, indexer, mixed, orch, firstuse, step
 # Needs xgrammar importable (the engine imports it). The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
 # scripts/device_h200_served.sh with Ray and xgrammar importable (README, "Reproducing on a GPU machine without a package index").
@@ -86,4 +88,11 @@ if [ $PART = pieces ]; then
      --json $OUT/prefill_pieces.jsonl > $OUT/prefill_pieces.log 2>&1; echo "rc=$?" >> $S
   grep -E "piecewise graphs" $OUT/prefill_pieces.log | cut -c1-300 | head -6 >> $S
   grep -A 12 "^ *model |" $OUT/prefill_pieces.log | tail -12 >> $S
+fi
+if [ $PART = moe ]; then
+  echo "== bench.moe_prefill tile sweep" >> $S
+  timeout ${MOE_LIM:-500} python3 -m glm_ray.bench.moe_prefill --geo flash glm5 --mode fp8 --tokens 512 2048 8192 \
+     --configs default ${MOE_CONFIGS:-64:128:128:128:8:8:3 64:128:128:128:8:4:4 128:128:128:128:8:8:3 128:128:128:128:8:8:2 32:128:128:128:4:4:4 64:128:64:128:8:4:3} \
+     --json $OUT/moe_prefill.jsonl > $OUT/moe_prefill.log 2>&1; echo "rc=$?" >> $S
+  grep -A 200 "^$" $OUT/moe_prefill.log | grep -E "^ *(flash|glm5) " | cut -c1-160 >> $S
 fi
