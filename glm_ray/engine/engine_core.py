@@ -331,7 +331,8 @@ class EngineCore:
             finish_reason=finish, stop_reason=stop_reason, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens or 0,
             prompt_logprobs=plp if len(req.output_token_ids) == 1 else None,
-            arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time)
+            arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+            first_token_time=now if len(req.output_token_ids) == 1 else None)
         if finish:
             self.scheduler.finish(req, finish, stop_reason)
             self.requests.pop(req.request_id, None)

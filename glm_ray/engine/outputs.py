@@ -27,9 +27,11 @@ class TokenDelta:
     prompt_logprobs: list[LogprobDict | None] | None = None   # sent once, with the first delta
     error: str | None = None                          # set with finish_reason "error": one line for the client
     error_type: str | None = None                     # "engine_error" | "out_of_memory" (errors.request_failure)
-    # Timing (monotonic seconds, engine clock) for metrics: arrival and first scheduling.
+    # Timing (monotonic seconds, engine clock) for metrics: arrival and first scheduling; the first token's
+    # time only on the delta that carries a request's first token.
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
 
 @dataclass
@@ -77,4 +79,5 @@ def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
         num_cached_tokens=b.num_cached_tokens or a.num_cached_tokens,
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
         error=b.error, error_type=b.error_type, arrival_time=a.arrival_time,
-        first_scheduled_time=a.first_scheduled_time if a.first_scheduled_time is not None else b.first_scheduled_time)
+        first_scheduled_time=a.first_scheduled_time if a.first_scheduled_time is not None else b.first_scheduled_time,
+        first_token_time=a.first_token_time if a.first_token_time is not None else b.first_token_time)

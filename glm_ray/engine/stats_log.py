@@ -6,15 +6,18 @@ last one:
 
     engine: prompt 4096.0 tok/s, generation 1830.2 tok/s | running 64, waiting 0, KV cache 12.3%,
     prefix cache hits 88.2% | 480 decode steps: 20.1 ms median at batch 64; 20 prefill/mixed steps:
-    245.3 ms median, 2048 tokens | device 18.2 ms, gap 0.10 ms
+    245.3 ms median, 2048 tokens | TTFT in the engine 61.0 ms median (queued 3.2 ms), 16 requests |
+    device 18.2 ms, gap 0.10 ms
 
 A step's time here is the wall time between two consecutive finished steps (what a streaming client's
 inter-token latency sees; under async scheduling the two overlap, so the sum of schedule / execute /
 update is not it). "decode" steps are those where every scheduled token is one sequence's next token
 (the CUDA-graph steps); every other step admits prompt tokens ("prefill/mixed", eager). `device` and
-`gap` appear when the step timeline is on (GLM_RAY_STEP_TIMELINE). It is how an operator tells a
-slow decode step from a slow consumer: served ITL far above the decode median here means the time is
-spent after the engine (the Router, Serve's streaming, the client).
+`gap` appear when the step timeline is on (GLM_RAY_STEP_TIMELINE). "TTFT in the engine" covers the
+requests whose first token came in the window: from their arrival at the engine to that token (queued:
+to their first scheduling). It is how an operator tells a slow decode step from a slow consumer, and a
+slow prefill from a slow path before the engine: served ITL or TTFT far above the medians here means the
+time is spent outside the engine (the ingress, the Router, Serve's streaming, the client).
 """
 from __future__ import annotations
 
@@ -36,10 +39,15 @@ class StatsLogger:
         self.engine, self.interval_s, self.clock = engine, interval_s, clock
         self._since = clock()
         self._generated = 0
+        self._ttft: list[tuple[float, float]] = []     # (first token - arrival, first scheduled - arrival) s
         self._prefix = (engine.kv.prefix_queries, engine.kv.prefix_hits)
 
     def on_step(self, deltas: list[TokenDelta]) -> None:
         self._generated += sum(len(d.new_token_ids) for d in deltas)
+        for d in deltas:
+            if d.first_token_time is not None:
+                sched = d.first_scheduled_time if d.first_scheduled_time is not None else d.first_token_time
+                self._ttft.append((d.first_token_time - d.arrival_time, sched - d.arrival_time))
 
     def maybe_log(self) -> str | None:
         """Log (and return) the line when an interval has passed and a step ran since the last one."""
@@ -52,7 +60,7 @@ class StatsLogger:
         line = self.line(steps, now - self._since) if steps else None
         if line:
             logger.info("%s", line)
-        self._since, self._generated = now, 0
+        self._since, self._generated, self._ttft = now, 0, []
         self._prefix = (self.engine.kv.prefix_queries, self.engine.kv.prefix_hits)
         return line
 
@@ -74,6 +82,10 @@ class StatsLogger:
                          f"{statistics.median(s.num_tokens for s, _ in other):.0f} tokens")
         if kinds:
             parts.append("; ".join(kinds))
+        if self._ttft:
+            parts.append(f"TTFT in the engine {1e3 * statistics.median(t for t, _ in self._ttft):.1f} ms median "
+                         f"(queued {1e3 * statistics.median(q for _, q in self._ttft):.1f} ms), "
+                         f"{len(self._ttft)} requests")
         dev = [s.worker_timings["device"] for s in steps if "device" in s.worker_timings]
         if dev:
             gap = [s.worker_timings["gap"] for s in steps if "gap" in s.worker_timings]

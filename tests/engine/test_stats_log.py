@@ -29,11 +29,16 @@ def test_stats_line_counts_the_engines_steps(tiny_dir, caplog):
     prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(3)]
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    emitted = 0
+    emitted, firsts = 0, {}
     while eng.has_unfinished():
         deltas = eng.step()
         log.on_step(deltas)
         emitted += sum(len(d.new_token_ids) for d in deltas)
+        for d in deltas:                               # the first token's delta carries its time, once
+            if d.first_token_time is not None:
+                assert d.request_id not in firsts and d.first_token_time >= d.first_scheduled_time >= d.arrival_time
+                firsts[d.request_id] = d.first_token_time - d.arrival_time
+    assert sorted(firsts) == ["r0", "r1", "r2"]
     steps = list(eng.step_history)
     decode = [s for s in steps[1:] if s.num_decode_seqs == s.num_tokens > 0]
     other = [s for s in steps[1:] if not (s.num_decode_seqs == s.num_tokens > 0)]
@@ -50,6 +55,10 @@ def test_stats_line_counts_the_engines_steps(tiny_dir, caplog):
     assert f"{len(decode)} decode steps" in line and "median at batch 3" in line
     if other:
         assert f"{len(other)} prefill/mixed steps" in line
+    ttft = re.search(r"TTFT in the engine ([\d.]+) ms median \(queued ([\d.]+) ms\), 3 requests", line)
+    assert ttft is not None, line
+    assert float(ttft.group(1)) == round(1e3 * sorted(firsts.values())[1], 1)   # the median of three
+    assert 0 <= float(ttft.group(2)) <= float(ttft.group(1))
     ms = float(re.search(r"decode steps: ([\d.]+) ms", line).group(1))
     periods = sorted(b.finished_at - a.finished_at for a, b in zip(steps, steps[1:])
                      if b.num_decode_seqs == b.num_tokens > 0)
