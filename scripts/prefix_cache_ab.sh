@@ -24,6 +24,8 @@ for mode in on off; do
      --max-concurrency $C --tag prefix_cache=$mode --output-file $OUT/gsp_$mode.jsonl --no-progress > $OUT/bench_$mode.txt 2>&1
   sleep 12       # one metrics export interval of Ray's, then the replica's prefix-cache counters
   curl -s 127.0.0.1:$((PORT + 1))/metrics | grep -E '^ray_glm_ray_prefix_cache_(queries|hits)_total' > $OUT/stats_$mode.prom
+  # the engine's stats lines: its own TTFT (arrival at the engine -> first token) beside the client's
+  grep -o "engine: prompt.*" $OUT/serve_$mode.log | grep -v "generation 0.0 tok/s" | cut -c1-420 > $OUT/stats_lines_$mode.txt
   kill $server; wait $server 2>/dev/null; ray stop --force > /dev/null 2>&1; sleep 2
 done
 python3 - "$OUT" <<'PY'
@@ -42,3 +44,7 @@ for k in ("mean_ttft_ms", "median_ttft_ms", "mean_e2e_latency_ms", "output_throu
     if a and b:
         print(f"{k:>22}: on {a:10.2f}  off {b:10.2f}  off/on {b / a:6.2f}")
 PY
+for mode in on off; do
+  echo "-- engine stats lines, cache $mode (TTFT in the engine vs the client's above)"
+  tail -4 $OUT/stats_lines_$mode.txt
+done
