@@ -26,7 +26,7 @@ source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; PART=${PART:-all}
 MDIR=$(python3 -c "from pathlib import Path; from glm_ray.bench.decode import model_dir_for; print(model_dir_for('glm5-flash-31b', 'fp8', Path('/tmp/models')))")
 if [ $PART = all ] || [ $PART = tests ]; then
   echo "== gpu tests" >> $S
-  for f in ${TESTS:-tests/gpu/test_cuda_rope.py tests/gpu/test_cuda_cache_write.py tests/gpu/test_cuda_mla_prefill.py tests/gpu/test_piecewise_graphs.py tests/gpu/test_cuda_graphs.py tests/gpu/test_gpu_glm5_next.py}; do
+  for f in ${TESTS:-tests/gpu/test_cuda_rope.py tests/gpu/test_cuda_cache_write.py tests/gpu/test_cuda_norm.py tests/gpu/test_cuda_indexer.py tests/gpu/test_cuda_mla_prefill.py tests/gpu/test_piecewise_graphs.py tests/gpu/test_cuda_graphs.py tests/gpu/test_gpu_glm5_next.py}; do
     timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider $f > $OUT/t.log 2>&1
     echo "$(basename $f) rc=$? $(tail -1 $OUT/t.log)" >> $S
     grep -E "^(FAILED|ERROR|E  )" $OUT/t.log | cut -c1-300 | head -30 >> $S; cat $OUT/t.log >> $OUT/gpu_tests.log

@@ -27,21 +27,9 @@ DEV = "cuda"
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(scope="module")
-def ck():
-    from glm_ray.kernels.cuda import CudaKernels
-    k = CudaKernels()
-    if k.tk is None:
-        pytest.skip(k.triton_error)
-    return k
-
-
 @pytest.fixture(autouse=True)
-def _no_fallbacks(ck):
-    ck.fallbacks.clear()
+def _no_fallbacks(no_fallbacks):                      # tests/gpu/conftest.py (with its `ck`)
     yield
-    assert not ck.fallbacks, f"reference fallbacks: {dict(ck.fallbacks)}"
-    assert "rms_norm" not in ck.broken, ck.broken
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "fused-add"])
