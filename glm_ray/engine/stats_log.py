@@ -85,7 +85,7 @@ class StatsLogger:
         if self._ttft:
             parts.append(f"TTFT in the engine {1e3 * statistics.median(t for t, _ in self._ttft):.1f} ms median "
                          f"(queued {1e3 * statistics.median(q for _, q in self._ttft):.1f} ms), "
-                         f"{len(self._ttft)} requests")
+                         f"{len(self._ttft)} request{'s' if len(self._ttft) != 1 else ''}")
         dev = [s.worker_timings["device"] for s in steps if "device" in s.worker_timings]
         if dev:
             gap = [s.worker_timings["gap"] for s in steps if "gap" in s.worker_timings]
