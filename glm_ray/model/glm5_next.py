@@ -142,8 +142,9 @@ class Glm5NextTextModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches, index_caches,
                 state_caches: StateCaches, run_piece=None) -> torch.Tensor:
         """ids [T] -> hidden [T, D]; `run_piece` as GlmMoeDsaModel.forward's."""
-        iq = self.index_queries(batch)
-        run_piece = run_piece or (lambda k, carry: self.piece(k, carry, batch, kv_caches, index_caches, iq))
+        if run_piece is None:                          # eager: the pieces here (the graphs decide their own variant)
+            iq = self.index_queries(batch)
+            run_piece = lambda k, carry: self.piece(k, carry, batch, kv_caches, index_caches, iq)  # noqa: E731
         carry, mask = run_piece(0, {"ids": input_ids}), None
         for i in range(self.cfg.num_hidden_layers):
             key = self.out_key(i)

@@ -143,8 +143,9 @@ class GlmMoeDsaModel(nn.Module):
                 index_caches: dict[int, torch.Tensor], run_piece=None) -> torch.Tensor:
         """ids [T] -> final-normed hidden [T, D]. `run_piece(k, carry)` runs piece k (default: eagerly);
         the piecewise graphs pass their replay, and the attentions between the pieces run here."""
-        iq = self.index_queries(batch)
-        run_piece = run_piece or (lambda k, carry: self.piece(k, carry, batch, kv_caches, index_caches, iq))
+        if run_piece is None:                          # eager: the pieces here (the graphs decide their own variant)
+            iq = self.index_queries(batch)
+            run_piece = lambda k, carry: self.piece(k, carry, batch, kv_caches, index_caches, iq)  # noqa: E731
         carry, mask = run_piece(0, {"ids": input_ids}), None
         for i in range(self.cfg.num_hidden_layers):
             key = self.out_key(i)

@@ -162,7 +162,7 @@ class PiecewiseGraphs:
         self.capture_s = time.perf_counter() - t0
         logger.info("CUDA graphs: %d piecewise graphs (%d pieces x %d variants x token buckets %s) captured in "
                     "%.1f s, %.0f MiB", len(self.graphs), self.inner.num_pieces, len(self.variants()), self.buckets,
-                    time.perf_counter() - t0, used / 2**20)
+                    self.capture_s, used / 2**20)
 
     # ---- a step -----------------------------------------------------------------------------------
     def run(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
