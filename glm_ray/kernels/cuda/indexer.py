@@ -46,6 +46,7 @@ import triton.language as tl
 
 from glm_ray import envs
 from glm_ray.kernels.cuda import topk as radix_topk
+from glm_ray.kernels.cuda.layout import row_tiles
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 NEG_INF = float("-inf")
@@ -240,21 +241,12 @@ def indexer_prefill_scores(q: torch.Tensor, w: torch.Tensor, key_cache: torch.Te
     for t <= the row's position, -inf after. Tiles of PREFILL_BLOCK_M rows x PREFILL_BLOCK_N keys (the
     table of tiles built on the device: no host sync)."""
     R, H, D = q.shape
-    B = nrows.shape[0]
     out = torch.empty(R, kmax, dtype=torch.float32, device=q.device)           # [R, kmax]
     if R == 0 or kmax == 0:
         return out
     bm, bn = PREFILL_BLOCK_M, PREFILL_BLOCK_N
-    n = nrows.long()
-    tiles = (n + bm - 1) // bm                                                 # [B]
-    ends = torch.cumsum(tiles, 0)                                              # [B] inclusive
-    nt = triton.cdiv(R, bm) + B                                                # >= sum(tiles), host ints
-    t = torch.arange(nt, device=q.device)
-    seq = torch.searchsorted(ends, t, right=True)                              # [NT]
-    live = seq < B
-    seqc = seq.clamp(max=B - 1)
-    tile_seq = torch.where(live, seqc, -1).to(torch.int32)
-    tile_off = torch.where(live, (t - (ends - tiles)[seqc]) * bm, 0).to(torch.int32)
+    tile_seq, tile_off = row_tiles(nrows, bm, R)                               # [NT] each
+    nt = tile_seq.shape[0]
     q = q if q.stride(-1) == 1 else q.contiguous()
     w = w.contiguous()
     _indexer_prefill_scores_kernel[(nt, triton.cdiv(kmax, bn))](

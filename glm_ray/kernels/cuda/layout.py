@@ -48,6 +48,24 @@ def round_up(a: int, b: int) -> int:
 # block-FP8 dense weights
 # --------------------------------------------------------------------------------------------
 
+def row_tiles(rows: torch.Tensor, block: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tile table of a grid over segments of consecutive rows (a varlen kernel's query tiles): segment b
+    has rows[b] rows (device ints), cut into tiles of `block`. Returns (tile_seg [NT] int32: the segment of
+    each program, -1 = a surplus program; tile_off [NT] int32: its tile's first row within the segment), with
+    NT = cdiv(total, block) + B from host ints (`total` >= sum(rows)): device ops only, no host sync."""
+    B = rows.shape[0]
+    n = rows.long()
+    tiles = (n + block - 1) // block                                       # [B]
+    ends = torch.cumsum(tiles, 0)                                          # [B] inclusive
+    t = torch.arange(cdiv(total, block) + B, device=rows.device)           # [NT]
+    seg = torch.searchsorted(ends, t, right=True)                          # first b with end > t
+    live = seg < B
+    segc = seg.clamp(max=B - 1)
+    tile_seg = torch.where(live, segc, -1).to(torch.int32)
+    tile_off = torch.where(live, (t - (ends - tiles)[segc]) * block, 0).to(torch.int32)
+    return tile_seg, tile_off
+
+
 def scaled_mm_padded_dims(n: int, k: int) -> tuple[int, int]:
     """(Np, Kp) the blockwise `_scaled_mm` path runs an [N, K] weight at."""
     return round_up(n, SCALED_MM_N_ALIGN), round_up(k, SCALED_MM_K_ALIGN)

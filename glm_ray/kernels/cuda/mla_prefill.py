@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from glm_ray.forward_batch import AttnGroup
+from glm_ray.kernels.cuda.layout import row_tiles
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
@@ -136,17 +137,10 @@ def prefill_plan(block_table: torch.Tensor, context_lens: torch.Tensor, query_le
     dev = query_lens.device
     ql, cl = query_lens.long(), context_lens.long()
     cu_q = torch.cumsum(ql, 0) - ql                                         # [B] exclusive
-    tiles = (ql + block_m - 1) // block_m                                   # [B]
-    tiles_end = torch.cumsum(tiles, 0)                                      # [B] inclusive
-    num_tiles = triton.cdiv(Tg, block_m) + B                                # >= sum(tiles), from host ints
-    t = torch.arange(num_tiles, device=dev)
-    seq = torch.searchsorted(tiles_end, t, right=True)                      # first b with end > t
-    live = seq < B
-    seqc = seq.clamp(max=B - 1)
-    start = (t - (tiles_end - tiles)[seqc]) * block_m
+    tile_seq, tile_start = row_tiles(query_lens, block_m, Tg)               # [NT] each, NT from host ints
+    num_tiles = tile_seq.shape[0]
     # heaviest tiles (last queries of a sequence: most keys) first; surplus programs (-1) exit at once
-    tile_seq = torch.where(live, seqc, -1).flip(0).to(torch.int32)
-    tile_start = torch.where(live, start, 0).flip(0).to(torch.int32)
+    tile_seq, tile_start = tile_seq.flip(0), tile_start.flip(0)
     bt = block_table.long()
     nb = bt.shape[1]
     chunks = []
