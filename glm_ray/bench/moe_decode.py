@@ -33,13 +33,13 @@ COLS = ["geo", "w_mode", "T", "distinct", "decode_us", "grouped_us", "speedup", 
 TILE_FIELDS = ("bn1", "bk1", "warps1", "stages1", "bn2", "bk2", "warps2", "stages2")   # DecodeConfig
 
 
-def _kernels():
+def moe_modules():
     """(moe_decode, triton_kernels) — imports triton on first use, so --help needs neither triton nor a GPU."""
     from glm_ray.kernels.cuda import moe_decode, triton_kernels  # noqa: PLC0415 - lazy: triton only to benchmark
     return moe_decode, triton_kernels
 
 
-def _experts(geo: dict, w_mode: str, dev: torch.device, gen: torch.Generator):
+def random_experts(geo: dict, w_mode: str, dev: torch.device, gen: torch.Generator):
     """(w13 [E, 2I, D], s13, w2 [E, D, I], s2): random values (timing only). fp8: N(0, 32^2) cast to e4m3
     (|w| < 448 up to ~14 sigma: no NaN), every block scale 1/256."""
     e, d, i = geo["e"], geo["d"], geo["i"]
@@ -67,7 +67,7 @@ def _expert_bytes(geo: dict, w_mode: str) -> int:
 @torch.inference_mode()
 def run(geos: list[str], modes: list[str], tokens: list[int], *, iters: int = 50, flush: bool = True,
         overrides: dict | None = None) -> list[dict]:
-    md, tk = _kernels()
+    md, tk = moe_modules()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     buf = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev) if flush else None
@@ -75,7 +75,7 @@ def run(geos: list[str], modes: list[str], tokens: list[int], *, iters: int = 50
     for gname in geos:
         geo = GEOS[gname]
         for w_mode in modes:
-            w13, s13, w2, s2 = _experts(geo, w_mode, dev, gen)
+            w13, s13, w2, s2 = random_experts(geo, w_mode, dev, gen)
             for t in tokens:
                 x = torch.randn(t, geo["d"], generator=gen, device=dev).to(torch.bfloat16)
                 logits = torch.rand(t, geo["e"], generator=gen, device=dev)

@@ -23,7 +23,7 @@ from functools import partial
 import torch
 
 from glm_ray.bench.gpu_timing import MEASURED_BF16_TFLOPS, MEASURED_FP8_TFLOPS, graph_replay_us
-from glm_ray.bench.moe_decode import GEOS, _experts, _kernels
+from glm_ray.bench.moe_decode import GEOS, moe_modules, random_experts
 from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.kernels.cuda.layout import TileConfig
 
@@ -57,7 +57,7 @@ def tiles(tk, cfgs):
 
 @torch.inference_mode()
 def run(geos: list[str], modes: list[str], tokens: list[int], configs: list[str], *, iters: int = 20) -> list[dict]:
-    _, tk = _kernels()
+    _, tk = moe_modules()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     buf = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
@@ -65,7 +65,7 @@ def run(geos: list[str], modes: list[str], tokens: list[int], configs: list[str]
     for gname in geos:
         geo = GEOS[gname]
         for w_mode in modes:
-            w13, s13, w2, s2 = _experts(geo, w_mode, dev, gen)
+            w13, s13, w2, s2 = random_experts(geo, w_mode, dev, gen)
             peak = MEASURED_FP8_TFLOPS if w_mode == "fp8" else MEASURED_BF16_TFLOPS
             for t in tokens:
                 x = torch.randn(t, geo["d"], generator=gen, device=dev).to(torch.bfloat16)
