@@ -57,6 +57,18 @@ def oracle_dir(tiny_variants) -> str:
     return tiny_variants("idx16", index_n_heads=16)
 
 
+@pytest.fixture(scope="session", params=["glm5", "glm53"])
+def family_dir(request, oracle_dir, tmp_path_factory) -> str:
+    """Each model family once: the tiny GLM-5 (`oracle_dir`: 16 indexer heads, index_topk 8) and the tiny
+    GLM-5.3-Flash (KDA + NoPE MLA with the k-pool indexer + mHC) that transformers writes."""
+    if request.param == "glm5":
+        return oracle_dir
+    from tests.flash_tiny import available, write_flash_tiny  # noqa: PLC0415
+    if not available():
+        pytest.skip("transformers without glm5_next")
+    return write_flash_tiny(tmp_path_factory.mktemp("glm53-family") / "tiny")
+
+
 # ---- one Ray + Serve cluster for the session -----------------------------------------------------
 from tests.reliability.apps import FAULTS_APP  # noqa: E402
 

@@ -36,22 +36,12 @@ def _generate(llm):
     return llm.generate(_prompts(), sps, use_tqdm=False)
 
 
-@pytest.fixture(params=["glm5", "glm53"])
-def model_dir(request, oracle_dir, tmp_path_factory):
-    if request.param == "glm5":
-        return oracle_dir
-    from tests.flash_tiny import available, write_flash_tiny  # noqa: PLC0415
-    if not available():
-        pytest.skip("transformers without glm5_next")
-    return write_flash_tiny(tmp_path_factory.mktemp("g53pw") / "tiny")
-
-
-def test_engine_with_piecewise_graphs_equals_without_fp32(model_dir):
+def test_engine_with_piecewise_graphs_equals_without_fp32(family_dir):
     torch.backends.cuda.matmul.allow_tf32 = False
-    base, _ = _llm(model_dir, "float32", 0)
+    base, _ = _llm(family_dir, "float32", 0)
     eager = _generate(base)
     del base
-    llm, runner = _llm(model_dir, "float32", 256)
+    llm, runner = _llm(family_dir, "float32", 256)
     pieces = runner.pieces
     assert len(pieces.graphs) == len(pieces.buckets) * len(pieces.variants()) * runner.model.piecewise().num_pieces
     graph = _generate(llm)

@@ -28,18 +28,6 @@ def test_buckets():
     assert 700 in token_buckets(2048, extra=[700]) and 4096 not in token_buckets(2048, extra=[4096])
 
 
-@pytest.fixture(scope="module", params=["glm5", "glm53"])
-def model_dir(request, oracle_dir, tmp_path_factory):
-    """The tiny GLM-5 (16 indexer heads, index_topk 8) and the tiny GLM-5.3-Flash (KDA + NoPE MLA with
-    the k-pool indexer + mHC), written by transformers."""
-    if request.param == "glm5":
-        return oracle_dir
-    from tests.flash_tiny import available, write_flash_tiny  # noqa: PLC0415
-    if not available():
-        pytest.skip("transformers without glm5_next")
-    return write_flash_tiny(tmp_path_factory.mktemp("g53pw") / "tiny")
-
-
 def _model(path):
     cfg = ModelConfig.from_pretrained(path, "float32")
     model = MODEL_CLASSES[cfg.architecture](cfg, get_quant_config(cfg), cfg.dtype).eval()
@@ -55,8 +43,8 @@ STEPS = [([21], [21]), ([6], [30]), ([1, 1, 9], [33, 12, 9]), ([13, 4], [13, 40]
 
 
 @pytest.mark.parametrize("qlens,clens", STEPS)
-def test_pieces_equal_eager_forward(qlens, clens, model_dir):
-    cfg, model = _model(model_dir)
+def test_pieces_equal_eager_forward(qlens, clens, family_dir):
+    cfg, model = _model(family_dir)
     assert supports_pieces(model)
     bs, nb = 4, 64
     tables, nxt = [], 0
@@ -105,13 +93,13 @@ def _generate(path, prompts, max_tokens: int, monkeypatch, **kw):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], steps
 
 
-def test_engine_with_pieces_equals_eager(model_dir, monkeypatch):
+def test_engine_with_pieces_equals_eager(family_dir, monkeypatch):
     """Prompts longer than the step budget (chunked), joining while others decode (mixed steps), contexts
     past index_topk (the indexer scores): the same greedy tokens and logprobs as eager."""
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(10, 200, (n,), generator=g).tolist()} for n in (70, 5, 23, 9, 40)]
-    eager, n0 = _generate(model_dir, prompts, 0, monkeypatch)
-    piece, n1 = _generate(model_dir, prompts, 48, monkeypatch)
+    eager, n0 = _generate(family_dir, prompts, 0, monkeypatch)
+    piece, n1 = _generate(family_dir, prompts, 48, monkeypatch)
     assert n0 == 0 and n1 >= 5
     for (te, le), (tp, lp) in zip(eager, piece):
         assert te == tp
