@@ -18,6 +18,8 @@
 #                 process (glm5-flash-31b FP8 dummy, ${PIECE_SHAPES:-1x1024 8x1024 1x8192}; #20 measure 1)
 #   PART=moe      bench.moe_prefill: a tile sweep of the grouped MoE at 512 / 2048 / 8192 tokens, FP8, both
 #                 expert shapes (#20 item 3); pick the best per size class into layout.moe_configs
+#   PART=sparse   the sparse MLA prefill's tile walks (bench.attention --sparse-tiles, 1x8k / 4x8k at h = 32 and 64),
+#                 the MLA prefill GPU test (every walk), then bench.prefill piecewise at 1x8192 (#20 measure 1)
 #   PART=all      tests, prefill, grammar, indexer, mixed, orch, firstuse, step
 # Needs xgrammar importable (the engine imports it). The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
 # scripts/device_h200_served.sh with Ray and xgrammar importable (README, "Reproducing on a GPU machine without a package index").
@@ -76,7 +78,6 @@ if [ $PART = all ] || [ $PART = step ]; then
      --quant fp8 --device cuda --profile-top 12 --json $OUT/prefill_step.jsonl > $OUT/prefill_step.log 2>&1; echo "rc=$?" >> $S
   grep -A 12 "^ *model |" $OUT/prefill_step.log | tail -12 >> $S
 fi
-cat $S
 if [ $PART = pieces ]; then
   echo "== piecewise graphs: gpu test" >> $S
   timeout ${TEST_LIM:-200} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_piecewise_graphs.py > $OUT/pieces_test.log 2>&1
@@ -89,6 +90,22 @@ if [ $PART = pieces ]; then
   grep -E "piecewise graphs" $OUT/prefill_pieces.log | cut -c1-300 | head -6 >> $S
   grep -A 12 "^ *model |" $OUT/prefill_pieces.log | tail -12 >> $S
 fi
+if [ $PART = sparse ]; then
+  echo "== bench.attention --mode prefill: sparse tile walks" >> $S
+  timeout ${SPARSE_LIM:-200} python3 -m glm_ray.bench.attention --mode prefill --heads 32 64 --prefill-shapes 1x8192 4x8192 \
+     --no-reference --sparse-tiles noskip-expand noskip-gather skip-expand skip-gather \
+     --json $OUT/sparse_walks.jsonl > $OUT/sparse_walks.log 2>&1; echo "rc=$?" >> $S
+  grep -vE "INFO|WARNING" $OUT/sparse_walks.log | tail -16 >> $S
+  echo "== gpu test mla_prefill" >> $S
+  timeout ${TEST_LIM:-120} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_mla_prefill.py > $OUT/mla_prefill_test.log 2>&1
+  echo "rc=$? $(tail -1 $OUT/mla_prefill_test.log)" >> $S
+  grep -E "^(FAILED|ERROR|E  )" $OUT/mla_prefill_test.log | cut -c1-300 | head -20 >> $S
+  echo "== bench.prefill piecewise 1x8192" >> $S
+  timeout ${STEP_LIM:-240} python3 -m glm_ray.bench.prefill ${PIECE_MODELS:-glm5-flash-31b glm5-slice-6l} --shape ${PIECE_SHAPES:-1x8192} \
+     --quant fp8 --device cuda --profile-top 12 --modes piecewise --piecewise-max-tokens ${PIECE_MAX:-8192} \
+     --json $OUT/prefill_sparse.jsonl > $OUT/prefill_sparse.log 2>&1; echo "rc=$?" >> $S
+  grep -A 16 "^ *model |" $OUT/prefill_sparse.log | grep -vE "INFO|WARNING" | head -40 >> $S
+fi
 if [ $PART = moe ]; then
   echo "== bench.moe_prefill tile sweep" >> $S
   timeout ${MOE_LIM:-500} python3 -m glm_ray.bench.moe_prefill --geo flash glm5 --mode fp8 --tokens 512 2048 8192 \
@@ -96,3 +113,4 @@ if [ $PART = moe ]; then
      --json $OUT/moe_prefill.jsonl > $OUT/moe_prefill.log 2>&1; echo "rc=$?" >> $S
   grep -A 200 "^$" $OUT/moe_prefill.log | grep -E "^ *(flash|glm5) " | cut -c1-160 >> $S
 fi
+cat $S

@@ -25,7 +25,9 @@ FLOPs / attn_us, with attention FLOPs = 2 * h * (dqk + dv) per causal (query, ke
 kernel's MMAs do in both modes (a sparse tile is skipped only when no query of it picked a key), so
 sparse rows count the same FLOPs as dense; `peak_ratio` = attn_tflops / 989, the H200 SXM datasheet
 dense BF16 peak (no sparsity). `--config BM BN WARPS STAGES` times
-one kernel config instead of the table's (tuning).
+one kernel config instead of the table's (tuning); `--sparse-tiles skip-gather noskip-expand ...` times
+the sparse rows once per way of walking the tiles (`mla_prefill.SparseTiles`; the default: the shipped one),
+`--sparse-only` skips the dense rows of sparse shapes.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from glm_ray.bench.gpu_timing import PEAK_BF16_TFLOPS
 from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.forward_batch import build_forward_batch
 from glm_ray.kernels.cuda.mla_decode import default_num_splits, mla_decode_paged
-from glm_ray.kernels.cuda.mla_prefill import mla_prefill_group
+from glm_ray.kernels.cuda.mla_prefill import SparseTiles, mla_prefill_group
 from glm_ray.kernels.torch_ref.attention import ATTN_BYTES
 from glm_ray.kernels.torch_ref.attention import mla_decode as ref_mla_decode
 from glm_ray.kernels.torch_ref.attention import mla_prefill as ref_mla_prefill
@@ -173,7 +175,8 @@ def _prefill_case(h: int, B: int, L: int, prefix: int, dims: tuple[int, int, int
 
 
 def _measure_prefill(h: int, B: int, L: int, prefix: int, dims: tuple[int, int, int], sparse: bool,
-                     block_size: int, iters: int, reference: bool, config, g: torch.Generator) -> dict:
+                     block_size: int, iters: int, reference: bool, config, g: torch.Generator,
+                     tiles: SparseTiles = SparseTiles()) -> dict:
     dev = torch.device("cuda")
     dn, dr, dv = dims
     q, cache, w, grp, sel = _prefill_case(h, B, L, prefix, dims, block_size, sparse, dev, g)
@@ -181,8 +184,8 @@ def _measure_prefill(h: int, B: int, L: int, prefix: int, dims: tuple[int, int, 
     kw = dict(kv_lora_rank=R, v_head_dim=dv, scale=scale)
     def kv_b(x):
         return F.linear(x, w)
-    ms = _time_ms(lambda: mla_prefill_group(q, cache, grp, sel, kv_b, max_bytes=ATTN_BYTES, config=config, **kw),
-                  iters, graph=False)
+    ms = _time_ms(lambda: mla_prefill_group(q, cache, grp, sel, kv_b, max_bytes=ATTN_BYTES, config=config,
+                                            tiles=tiles, **kw), iters, graph=False)
     ctx = prefix + L
     slots = grp.kv_slots.reshape(-1)                                        # [B * ctx]: the packed rows here
     expand_ms = _time_ms(lambda: kv_b(cache[slots][:, :R]), iters, graph=False)
@@ -190,7 +193,8 @@ def _measure_prefill(h: int, B: int, L: int, prefix: int, dims: tuple[int, int, 
     attn_flop = 2 * pairs * h * (dn + dr + dv)
     expand_flop = 2 * B * ctx * R * h * (dn + dv)
     attn_ms = max(ms - expand_ms, 1e-6)
-    row = {"h": h, "B": B, "L": L, "prefix": prefix, "mode": "sparse" if sparse else "dense", "us": ms * 1e3,
+    mode = f"sparse:{tiles_name(tiles)}" if sparse else "dense"
+    row = {"h": h, "B": B, "L": L, "prefix": prefix, "mode": mode, "us": ms * 1e3,
            "expand_us": expand_ms * 1e3, "attn_us": attn_ms * 1e3,
            "tflops": (attn_flop + expand_flop) / ms / 1e9, "attn_tflops": attn_flop / attn_ms / 1e9}
     row["peak_ratio"] = row["attn_tflops"] / PEAK_BF16_TFLOPS
@@ -204,14 +208,19 @@ def _measure_prefill(h: int, B: int, L: int, prefix: int, dims: tuple[int, int, 
 
 @torch.inference_mode()
 def run_prefill(heads: list[int], shapes: list[tuple[int, int]], prefix: int, dims: tuple[int, int, int],
-                block_size: int, iters: int, reference: bool, config) -> list[dict]:
+                block_size: int, iters: int, reference: bool, config, tiles: list[SparseTiles] | None = None,
+                sparse_only: bool = False) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     rows = []
     for h in heads:
         n0 = len(rows)
         for B, L in shapes:
-            for sparse in (False, True) if prefix + L > SPARSE_K else (False,):
-                rows.append(_measure_prefill(h, B, L, prefix, dims, sparse, block_size, iters, reference, config, g))
+            sparse = prefix + L > SPARSE_K
+            if not (sparse and sparse_only):
+                rows.append(_measure_prefill(h, B, L, prefix, dims, False, block_size, iters, reference, config, g))
+            for t in (tiles or [SparseTiles()]) if sparse else ():
+                rows.append(_measure_prefill(h, B, L, prefix, dims, True, block_size, iters, reference, config, g,
+                                             tiles=t))
         print_rows(rows[n0:], PREFILL_COLS, width=11)                       # one table per head count
         print(flush=True)
     return rows
@@ -219,6 +228,13 @@ def run_prefill(heads: list[int], shapes: list[tuple[int, int]], prefix: int, di
 
 PREFILL_COLS = ["h", "B", "L", "prefix", "mode", "us", "expand_us", "attn_us", "tflops", "attn_tflops", "peak_ratio",
                 "ref_us", "speedup"]
+
+
+def tiles_name(t: SparseTiles) -> str:
+    return f"{'skip' if t.skip_empty else 'noskip'}-{'expand' if t.expand_words else 'gather'}"
+
+
+TILES = {tiles_name(t): t for t in (SparseTiles(s, e) for s in (False, True) for e in (True, False))}
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -246,6 +262,9 @@ def main(argv=None) -> int:
                    help="prefill mode: head dims, glm5 = qk 192+64 / v 256, glm53 = NoPE qk 256 / v 256")
     p.add_argument("--config", type=int, nargs=4, default=None, metavar=("BM", "BN", "WARPS", "STAGES"),
                    help="prefill mode: one kernel config instead of the table's")
+    p.add_argument("--sparse-tiles", choices=list(TILES), nargs="+", default=None,
+                   help="prefill mode: time the sparse rows once per way of walking the tiles")
+    p.add_argument("--sparse-only", action="store_true", help="prefill mode: no dense rows for sparse shapes")
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference timings")
     p.add_argument("--json", default=None, help="also append the rows to this JSONL file")
     a = p.parse_args(argv)
@@ -253,7 +272,8 @@ def main(argv=None) -> int:
         raise SystemExit("glm_ray.bench.attention needs a CUDA GPU")
     if a.mode == "prefill":
         rows = run_prefill(a.heads, a.prefill_shapes, a.prefix, PREFILL_DIMS[a.prefill_dims], a.block_size, a.iters,
-                           not a.no_reference, tuple(a.config) if a.config else None)
+                           not a.no_reference, tuple(a.config) if a.config else None,
+                           [TILES[n] for n in a.sparse_tiles] if a.sparse_tiles else None, a.sparse_only)
     else:
         rows = run(a.heads, a.batch, a.contexts, a.sparse_contexts, a.block_size, a.iters, not a.no_reference)
     append_rows(a.json, rows)

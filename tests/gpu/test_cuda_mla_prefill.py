@@ -70,14 +70,18 @@ def topk_selection(group, seed: int) -> torch.Tensor:
     return torch.where(v == float("-inf"), -1, i).to(torch.int32)
 
 
-def check(ops, q, cache, w, group, selection, dv, max_bytes=1 << 30):
+def check(ops, q, cache, w, group, selection, dv, max_bytes=1 << 30, tiles=None):
     scale = q.shape[-1] ** -0.5
-    out = ops.mla_prefill(q, cache, group, selection, lambda x: F.linear(x, w), kv_lora_rank=R, v_head_dim=dv,
-                          scale=scale, max_bytes=max_bytes)
+    kw = dict(kv_lora_rank=R, v_head_dim=dv, scale=scale, max_bytes=max_bytes)
+    if tiles is None:                                                        # through the backend's op
+        out = ops.mla_prefill(q, cache, group, selection, lambda x: F.linear(x, w), **kw)
+        assert not ops.mla_prefill.__self__.fallbacks, dict(ops.mla_prefill.__self__.fallbacks)
+    else:                                                                    # one way of walking sparse tiles
+        from glm_ray.kernels.cuda.mla_prefill import mla_prefill_group  # noqa: PLC0415 (imports triton)
+        out = mla_prefill_group(q, cache, group, selection, lambda x: F.linear(x, w), tiles=tiles, **kw)
     ref = ref_mla_prefill(q.float(), cache.float(), group, selection, lambda x: F.linear(x.to(BF16), w).float(),
                           kv_lora_rank=R, v_head_dim=dv, scale=scale)
     assert out.dtype == BF16 and out.shape == ref.shape
-    assert not ops.mla_prefill.__self__.fallbacks, dict(ops.mla_prefill.__self__.fallbacks)
     o, r = out.float(), ref
     assert torch.isfinite(o).all()
     start = 0
@@ -104,6 +108,15 @@ def test_sparse(cuda_ops, h):
     q, cache, w, groups = make_step(*STEPS["mixed"], h, **GLM5, seed=100 + h)
     for gi, grp in enumerate(groups):
         check(cuda_ops, q, cache, w, grp, topk_selection(grp, seed=gi), GLM5["dv"])
+
+
+@pytest.mark.parametrize("skip,expand", [(False, True), (False, False), (True, True), (True, False)])
+def test_sparse_tile_walks(skip, expand):
+    # every way the sparse kernel walks its key tiles (bench.attention --sparse-tiles times them) at h = 32
+    from glm_ray.kernels.cuda.mla_prefill import SparseTiles  # noqa: PLC0415 (imports triton)
+    q, cache, w, groups = make_step(*STEPS["mixed"], 32, **GLM5, seed=132)
+    for gi, grp in enumerate(groups):
+        check(None, q, cache, w, grp, topk_selection(grp, seed=gi), GLM5["dv"], tiles=SparseTiles(skip, expand))
 
 
 @pytest.mark.parametrize("sparse", [False, True])

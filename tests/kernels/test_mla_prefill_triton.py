@@ -89,11 +89,11 @@ def make_selection(group, k: int, *, seed: int = 1, noncausal: bool = True) -> t
     return out
 
 
-def run_group(s, group, selection, *, max_bytes=BIG, config=SMALL):
+def run_group(s, group, selection, *, max_bytes=BIG, config=SMALL, tiles=mp.SparseTiles()):
     kv_b = lambda x: x @ s["w"].T                                            # noqa: E731 — the layer's kv_b_proj
     kw = dict(kv_lora_rank=R, v_head_dim=s["dv"], scale=(s["dn"] + s["dr"]) ** -0.5)
     out = mp.mla_prefill_group(s["q"], s["kv_cache"], group, selection, kv_b, max_bytes=max_bytes, config=config,
-                               **kw)
+                               tiles=tiles, **kw)
     ref = attention.mla_prefill(s["q"], s["kv_cache"], group, selection, kv_b, **kw)
     return out, ref
 
@@ -139,17 +139,33 @@ def test_dense_default_config_and_nope():
         check(s, g)
 
 
+# every way the sparse kernel walks its tiles (branching around empty tiles or not; the bitmap's words
+# gathered per key or spread from one load per word)
+TILES = [mp.SparseTiles(skip_empty=skip, expand_words=expand) for skip in (False, True) for expand in (True, False)]
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=str)
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_sparse_topk(block_size):
+def test_sparse_topk(block_size, tiles):
     # contexts above k = 12: every query row attends only to its picks (AND causal)
     s = make_step([21, 9, 40], [50, 9, 40], block_size, seed=4)
     for g in s["groups"]:
-        check(s, g, make_selection(g, 12, seed=5))
+        check(s, g, make_selection(g, 12, seed=5), tiles=tiles)
 
 
-def test_sparse_nope_and_tile_skipping():
+@pytest.mark.parametrize("tiles", TILES, ids=str)
+def test_sparse_wide_key_tiles(tiles):
+    # BLOCK_N = 64: a row's bits for a tile are two whole words (BLOCK_N = 16 reads a part of one word);
+    # contexts 70..150 end mid-word and mid-tile
+    s = make_step([30, 70, 12], [150, 70, 97], 16, seed=12)
+    for g in s["groups"]:
+        check(s, g, make_selection(g, 24, seed=13), config=(16, 64, 4, 1), tiles=tiles)
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=str)
+def test_sparse_nope_and_tile_skipping(tiles):
     # picks only among the first 3 positions (+ the diagonal's position 0 at most): every later key tile
-    # is skipped by every query; NoPE dims
+    # is skipped by every query (skip_empty) or attended with nothing picked; NoPE dims
     s = make_step([24, 40], [56, 40], 16, dn=64, dr=0, dv=64, seed=6)
     for g in s["groups"]:
         B, qmax = g.q_index.shape
@@ -157,7 +173,7 @@ def test_sparse_nope_and_tile_skipping():
         sel[..., 0] = 0
         sel[..., 3] = 2
         sel[..., 5] = 1
-        check(s, g, sel)
+        check(s, g, sel, tiles=tiles)
 
 
 @pytest.mark.parametrize("sparse", [False, True])

@@ -24,10 +24,12 @@ Per call (one `AttnGroup`: B sequences, Tg = sum(query_lens) new tokens, packed 
   Sparse (DSA): a query attends to its top-k positions (int32 [B, Qmax, k], -1 = none; the decode
   kernel's index contract) AND causal. The indices become a per-query bitmap ([Tg, ceil(Kmax/32)]
   int32, one atomic-or per index: `_selection_bits_kernel`); the kernel walks the same causal key
-  range and masks each [BLOCK_M, BLOCK_N] tile by its bits, skipping tiles where no query of the
-  tile selected a key. The MMA work is therefore that of dense causal attention (the naive form
-  gives each head its own K, so queries with different selections cannot share a gathered tile);
-  what the selection saves is the tiles nobody picked.
+  range and masks each [BLOCK_M, BLOCK_N] tile by its bits (a row's BLOCK_N / 32 words loaded once and
+  spread over the tile in registers). The MMA work is therefore that of dense causal attention (the
+  naive form gives each head its own K, so queries with different selections cannot share a gathered
+  tile). `SparseTiles.skip_empty` branches around tiles no query of the tile picked; off by default,
+  as the branch keeps the tile's loads out of the software pipeline and a random top-2048 of a few
+  thousand keys leaves no tile empty.
 * Long contexts: when the expanded keys of the group (B * max_context_len rows of h * (dn + dv)
   values plus the gathered latents) would exceed `max_bytes`, the key positions are cut into chunks
   of whole BLOCK_N tiles and each chunk is gathered, expanded and attended in turn; the kernel keeps
@@ -63,6 +65,16 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
 MIN_DOT = 16                  # tl.dot's smallest K / N extent: dims below it are padded (masked) to it
 BITS_BLOCK = 1024             # indices per step of the bitmap kernel
+
+
+@dataclass(frozen=True)
+class SparseTiles:
+    """How the sparse kernel walks its causal key tiles (`bench.attention --sparse-variants` times both):
+    skip_empty — branch around a tile no query of the tile picked (saves its MMAs; the branch keeps the
+    tile's loads out of the software pipeline); expand_words — load a row's BN / 32 bitmap words once and
+    spread them over the tile in registers (else BM x BN gathers of repeated words)."""
+    skip_empty: bool = False
+    expand_words: bool = True
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,6 +247,7 @@ def _prefill_kernel(q_ptr, tok_ptr, kv_ptr, pe_ptr, bits_ptr, o_ptr, m_ptr, l_pt
                     DN1: tl.constexpr, DN2: tl.constexpr, BLOCK_DN2: tl.constexpr, DR: tl.constexpr,
                     BLOCK_DR: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr,
+                    SKIP_EMPTY: tl.constexpr, EXPAND_WORDS: tl.constexpr, BNW: tl.constexpr,
                     FIRST: tl.constexpr, LAST: tl.constexpr, INTERP: tl.constexpr):
     t = tl.program_id(0)
     hd = tl.program_id(1)
@@ -288,12 +301,28 @@ def _prefill_kernel(q_ptr, tok_ptr, kv_ptr, pe_ptr, bits_ptr, o_ptr, m_ptr, l_pt
         for n0 in range(K0, hi, BLOCK_N):
             kpos = n0 + tl.arange(0, BLOCK_N)                                 # [BN] positions
             kmask = kpos < hi
-            words = tl.load(bits_ptr + prow[:, None] * WORDS + (kpos // 32)[None, :],
-                            mask=rmask[:, None] & kmask[None, :], other=0)    # [BM, BN]
+            if EXPAND_WORDS:
+                # the tile's BN bits of a row are BNW whole words (BN >= 32) or part of one (BN < 32):
+                # BM x BNW loads, spread over the tile in registers, not BM x BN gathers of repeated words
+                wi = n0 // 32 + tl.arange(0, BNW)                              # [BNW] word of the row
+                words = tl.load(bits_ptr + prow[:, None] * WORDS + wi[None, :],
+                                mask=rmask[:, None] & (wi < WORDS)[None, :], other=0)     # [BM, BNW]
+                if BNW == 1:
+                    words = tl.broadcast_to(words, (BLOCK_M, BLOCK_N))
+                else:
+                    words = tl.reshape(tl.broadcast_to(words[:, :, None], (BLOCK_M, BNW, 32)), (BLOCK_M, BLOCK_N))
+            else:
+                words = tl.load(bits_ptr + prow[:, None] * WORDS + (kpos // 32)[None, :],
+                                mask=rmask[:, None] & kmask[None, :], other=0)    # [BM, BN]
             picked = ((words >> (kpos % 32)[None, :]) & 1) != 0
             smask = picked & (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
-            if tl.max(tl.max(smask.to(tl.int32), 1), 0) > 0:                  # a tile nobody picked: skip
-                krow = (ks + kpos - K0).to(tl.int64)
+            krow = (ks + kpos - K0).to(tl.int64)
+            if SKIP_EMPTY:
+                if tl.max(tl.max(smask.to(tl.int32), 1), 0) > 0:              # a tile nobody picked: skip
+                    acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q1, q2, qpe, kv_head + krow[:, None] * stride_kvn,
+                                                 pe_ptr + krow[:, None] * stride_pe, kmask, smask, qk_scale,
+                                                 DN1, DN2, BLOCK_DN2, DR, BLOCK_DR, DV, BLOCK_DV, True, INTERP)
+            else:                                                             # branch-free: the loads pipeline
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q1, q2, qpe, kv_head + krow[:, None] * stride_kvn,
                                              pe_ptr + krow[:, None] * stride_pe, kmask, smask, qk_scale,
                                              DN1, DN2, BLOCK_DN2, DR, BLOCK_DR, DV, BLOCK_DV, True, INTERP)
@@ -350,14 +379,16 @@ def selection_bits(indices: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
 def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[torch.Tensor], torch.Tensor],
                        plan: PrefillPlan, *, kv_lora_rank: int, v_head_dim: int, scale: float,
                        indices: torch.Tensor | None = None,
-                       config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                       config: tuple[int, int, int, int] | None = None,
+                       tiles: SparseTiles = SparseTiles()) -> torch.Tensor:
     """Naive MLA prefill of the group `plan` describes.
 
     q [T, h, dn+dr] rows of the whole step (bf16/fp16; unit last stride); kv_cache [S, r+dr] same
     dtype, unit last stride; kv_b: latents [N, r] (row-strided view) -> [N, h*(dn+dv)] (rows grouped
     per head: dn key dims then dv value dims). indices None: dense causal; else [B, Qmax, k] int32
     positions (-1 = none), attended AND causal. config: (BLOCK_M, BLOCK_N, num_warps, num_stages),
-    BLOCK_M / BLOCK_N equal to the plan's. Returns o [Tg, h, dv] in q.dtype, in the packed order.
+    BLOCK_M / BLOCK_N equal to the plan's; tiles: the sparse walk (`SparseTiles`). Returns o [Tg, h, dv]
+    in q.dtype, in the packed order.
     """
     T, h, dq = q.shape
     r, dv = kv_lora_rank, v_head_dim
@@ -384,7 +415,8 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
     consts = dict(DN1=dn1, DN2=dn2, BLOCK_DN2=block_dn2, DR=dr,
                   BLOCK_DR=max(MIN_DOT, triton.next_power_of_2(dr)) if dr else 0, DV=dv,
                   BLOCK_DV=max(MIN_DOT, triton.next_power_of_2(dv)), BLOCK_M=block_m, BLOCK_N=block_n,
-                  SPARSE=indices is not None, INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+                  SPARSE=indices is not None, SKIP_EMPTY=tiles.skip_empty, EXPAND_WORDS=tiles.expand_words,
+                  BNW=max(1, block_n // 32), INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
     for ci, ch in enumerate(plan.chunks):                                     # key chunks (usually one)
         rows = kv_cache[ch.slots]                                             # [N, r+dr] gathered latents
         if ch.pad is not None:
@@ -408,7 +440,8 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # AttnGroup ->
 
 def mla_prefill_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup, selection: torch.Tensor | None,
                       kv_b: Callable[[torch.Tensor], torch.Tensor], *, kv_lora_rank: int, v_head_dim: int,
-                      scale: float, max_bytes: int, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                      scale: float, max_bytes: int, config: tuple[int, int, int, int] | None = None,
+                      tiles: SparseTiles = SparseTiles()) -> torch.Tensor:
     """The `mla_prefill` op on one group (the torch reference's arguments; selection None or int32
     indices [B, Qmax, k]). The group's plan is built on first use and shared by every layer."""
     h, dq = q.shape[1], q.shape[2]
@@ -424,8 +457,8 @@ def mla_prefill_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup,
                                   group.block_size, group.max_context_len, block_m=cfg[0], block_n=cfg[1],
                                   chunk=chunk)
     return mla_prefill_varlen(q, kv_cache, kv_b, plans[key], kv_lora_rank=r, v_head_dim=dv, scale=scale,
-                              indices=selection, config=cfg)
+                              indices=selection, config=cfg, tiles=tiles)
 
 
-__all__ = ["KeyChunk", "PrefillPlan", "chunk_keys", "mla_prefill_group", "mla_prefill_varlen", "prefill_plan",
+__all__ = ["KeyChunk", "PrefillPlan", "SparseTiles", "chunk_keys", "mla_prefill_group", "mla_prefill_varlen", "prefill_plan",
            "selection_bits"]
