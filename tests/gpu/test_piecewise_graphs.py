@@ -18,6 +18,20 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU present")]
 
 
+@pytest.fixture(scope="module", params=["glm5", "glm53"])
+def family_dir(request, oracle_dir, tmp_path_factory) -> str:
+    """Each model family once, both written by glm-ray's own writer (this test compares the engine with
+    itself, no transformers oracle): the GPU machine's transformers has a glm5_next whose config rejects
+    the checkpoint's `indexed_attention` layer type, so the shared transformers-written fixture cannot
+    build there."""
+    if request.param == "glm5":
+        return oracle_dir
+    from glm_ray.model.tiny import bundled_config, write_tiny  # noqa: PLC0415
+    cfg = bundled_config("glm53-flash-tiny-text.json")
+    cfg.update(index_topk=8, index_n_heads=16)      # sparse beyond 8 tokens; 16 heads: no exact score ties
+    return str(write_tiny(tmp_path_factory.mktemp("glm53-pieces") / "tiny", cfg))
+
+
 def _llm(path, dtype, pieces: int):
     llm = LLM(path, device="cuda", dtype=dtype, kv_cache_memory_bytes=256 << 20, max_num_seqs=8, max_model_len=1024,
               max_num_batched_tokens=256, piecewise_graph_max_tokens=pieces)
