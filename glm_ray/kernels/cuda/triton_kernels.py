@@ -453,7 +453,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     i_real = half - intermediate_pad
     p = t * k
     cfg1, cfg2 = moe_configs(w_mode, p, e)
-    al = moe_align_auto(topk_ids, e, cfg1.block_m)                   # one launch at decode sizes
+    al = moe_align_auto(topk_ids, e, cfg1.block_m)                   # one launch at decode sizes, three above (moe_align.py)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     x = x.contiguous()
     if w_mode == "fp8":
