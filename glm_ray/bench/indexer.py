@@ -11,12 +11,13 @@ achievable HBM read rate).
 --prefill B x L times the prefill path (`indexer_prefill_topk`: a row per query token of B fresh
 L-token prompts, causal) against the torch reference `indexer_topk`, eagerly (CUDA events, median of
 --iters, L2 warm): useful TFLOPS = B * L(L+1)/2 * Hi * di * 2 / time, beside the 989 TFLOPS BF16 peak
-(an fp32 query runs as 3 bf16 dots, so the tensor cores do 3x that work).
+(an fp32 query, `--qi-dtype float32`, runs as 3 bf16 dots, so the tensor cores do 3x that work).
 
 --topk-only times the top-k alone (`select_topk` on random fp32 scores [B, context], every row full):
 the Triton radix select (kernels/cuda/topk.py) against torch.topk, same timing method.
 
-GLM-5 shapes: 32 indexer heads x 128, bf16 keys, fp32 queries and head weights, top-2048. Every sequence
+GLM-5 shapes: 32 indexer heads x 128, bf16 keys, bf16 queries (the engine's: wq_b's output dtype;
+`--qi-dtype float32` for fp32 models), fp32 head weights, top-2048. Every sequence
 of a row has the same context, its blocks scattered over the cache (random block table). Each op is
 captured once in a CUDA graph (as decode runs) and timed on graph replays with CUDA events, with the
 L2 cache flushed before every replay (--no-flush keeps it warm: small contexts then fit in L2).
@@ -49,7 +50,7 @@ def _kernels():
 
 @torch.inference_mode()
 def run(batches: list[int], contexts: list[int], *, heads: int = 32, head_dim: int = 128, block_size: int = 64,
-        topk: int = 2048, iters: int = 50, flush: bool = True, qi_dtype: torch.dtype = torch.float32) -> list[dict]:
+        topk: int = 2048, iters: int = 50, flush: bool = True, qi_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     K = _kernels()
     T = K.radix_topk
     dev = torch.device("cuda")
@@ -118,7 +119,7 @@ PREFILL_COLS = ["B", "L", "rows", "us", "TFLOPS", "peak_ratio", "ref_us", "speed
 
 @torch.inference_mode()
 def run_prefill(shapes: list[tuple[int, int]], *, heads: int = 32, head_dim: int = 128, block_size: int = 64,
-                topk: int = 2048, iters: int = 10) -> list[dict]:
+                topk: int = 2048, iters: int = 10, qi_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """`indexer_prefill_topk` vs the torch reference on B fresh L-token prompts (one prefill group)."""
     K = _kernels()
     dev = torch.device("cuda")
@@ -129,14 +130,15 @@ def run_prefill(shapes: list[tuple[int, int]], *, heads: int = 32, head_dim: int
         key_cache = torch.randn(B * nb * block_size, head_dim, generator=g, device=dev).to(torch.bfloat16)
         perm = torch.randperm(B * nb, generator=torch.Generator().manual_seed(B * L)).tolist()   # host ids
         tables = [perm[i * nb:(i + 1) * nb] for i in range(B)]
-        qi = torch.randn(B * L, heads, head_dim, generator=g, device=dev)
+        qi = torch.randn(B * L, heads, head_dim, generator=g, device=dev).to(qi_dtype)
         w = torch.randn(B * L, heads, generator=g, device=dev) * heads ** -0.5
         (group,) = build_forward_batch([L] * B, [L] * B, tables, block_size, dev).groups
         t = eager_us(partial(K.indexer_prefill_topk, qi, w, key_cache, group, topk, max_bytes=SCORE_BYTES), iters)
         t_ref = eager_us(partial(ref_topk, qi, w, key_cache, group, topk), max(2, iters // 3))
         tflops = B * L * (L + 1) / 2 * heads * head_dim * 2 / (t * 1e-6) / 1e12
         rows.append({"bench": "indexer_prefill", "B": B, "L": L, "rows": B * L, "heads": heads, "head_dim": head_dim,
-                     "topk": topk, "topk_impl": K.TOPK_IMPL, "us": t, "TFLOPS": tflops,
+                     "topk": topk, "topk_impl": K.TOPK_IMPL, "qi_dtype": str(qi_dtype).removeprefix("torch."),
+                     "us": t, "TFLOPS": tflops,
                      "peak_ratio": tflops / PEAK_BF16_TFLOPS, "ref_us": t_ref, "speedup": t_ref / t})
         del key_cache, qi, w, group
     return rows
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--qi-dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--qi-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--no-flush", action="store_true", help="keep L2 warm between replays")
     p.add_argument("--block-n", type=int, default=None, help="override the kernel's positions per program")
     p.add_argument("--tiles", type=int, default=None, help="override the kernel's tiles per program")
@@ -186,7 +188,8 @@ def main(argv=None) -> int:
         K.radix_topk.TARGET_PROGRAMS = a.topk_programs
     if a.prefill:
         shapes = [tuple(int(x) for x in s.lower().split("x")) for s in a.prefill]
-        rows = run_prefill(shapes, block_size=a.block_size, topk=a.topk, iters=min(a.iters, 10))
+        rows = run_prefill(shapes, block_size=a.block_size, topk=a.topk, iters=min(a.iters, 10),
+                           qi_dtype=getattr(torch, a.qi_dtype))
         print_rows(rows, PREFILL_COLS, width=10)
         append_rows(a.json, rows)
         return 0

@@ -59,10 +59,11 @@ class KernelOps:
     # (the layer unfolds W_UV). A paged kernel reads the cache rows through group.block_table /
     # group.context_lens (dense) or the top-k positions (sparse); the references use the padded views.
     mla_decode: Callable | None = None
-    # DSA lightning indexer scoring + top-k (GLM-5): (qi [T, Hi, di] fp32, w [T, Hi] fp32 head weights,
-    # key_cache [S, di], group, topk, *, max_bytes) -> positions [B, Qmax, min(topk, Kmax)] int32 (-1 padded)
+    # DSA lightning indexer scoring + top-k (GLM-5): (qi [T, Hi, di] fp32 or bf16 (wq_b's output dtype; scored
+    # in fp32), w [T, Hi] fp32 head weights, key_cache [S, di], group, topk, *, max_bytes)
+    # -> positions [B, Qmax, min(topk, Kmax)] int32 (-1 padded)
     indexer_topk: Callable | None = None
-    # k-pool indexer (GLM-5.3-Flash): (qi [T, Hi, di] fp32, w [T, Hi] fp32, key_cache [S, 2di] rows [ki | gi],
+    # k-pool indexer (GLM-5.3-Flash): (qi [T, Hi, di] fp32 / bf16, w [T, Hi] fp32, key_cache [S, 2di] rows [ki | gi],
     # group, ape [kpool, di] fp32, *, kpool, pool_topk, tail, max_bytes) -> selection [B, Qmax, Kmax] bool
     indexer_kpool_topk: Callable | None = None
     # KDA short conv against the conv-state cache: (x [B, L, C] padded group view, weight [C, K] fp32,

@@ -51,14 +51,16 @@ class Indexer(nn.Module):
 
     def queries(self, x: torch.Tensor, q_resid: torch.Tensor, rope: RopeCache, qi_out: torch.Tensor | None = None,
                 w_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Index queries and head weights of every row of T (once per layer, shared by its groups), fp32;
-        written into `qi_out` / `w_out` when given."""
+        """Index queries [T, Hi, di] in wq_b's output dtype (bf16 models: bf16 — an fp32 copy would hold
+        the same values and make the GPU kernel split each query into three bf16 parts, two of them zero)
+        and head weights [T, Hi] fp32, of every row of T (once per layer, shared by its groups); written
+        into `qi_out` / `w_out` when given."""
         T = x.shape[0]
         qi = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)           # [T, Hi, di]
         if self.rope_dim:                                                     # rope FIRST, in place (NoPE: none)
             kernels.ops().rope_inplace(qi, rope.cos, rope.sin, self.interleave, 0)
         w = torch.mul(self.weights_proj(x.float()), self.n_heads ** -0.5, out=w_out)   # [T, Hi] fp32
-        return (qi.float() if qi_out is None else qi_out.copy_(qi)), w
+        return (qi if qi_out is None else qi_out.copy_(qi)), w
 
     def select(self, group: AttnGroup, queries: tuple[torch.Tensor, torch.Tensor],
                key_cache: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from glm_ray.layers.rotary import RopeCache
 class MLAQuery:
     """What crosses from an MLA layer's projections to its attention (a piecewise-graph boundary)."""
     q: torch.Tensor                                   # [T, h, dn+dr]: [q_nope | roped q_pe]
-    index_q: tuple[torch.Tensor, torch.Tensor] | None = None   # the indexer's (qi [T, Hi, di], w [T, Hi]) fp32
+    index_q: tuple[torch.Tensor, torch.Tensor] | None = None   # the indexer's (qi [T, Hi, di] wq_b's dtype, w [T, Hi] fp32)
 
 # Bound on the transient gathered / expanded context of one attention call, passed to the kernel ops
 # as `max_bytes`; above it the torch reference processes the context in key chunks (online softmax).

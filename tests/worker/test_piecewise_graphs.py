@@ -76,8 +76,10 @@ def test_pieces_equal_eager_forward(qlens, clens, family_dir):
             out.append((h, mla_cache[:nb * bs].clone()))
     (he, kve), (hp, kvp) = out
     assert torch.allclose(he, hp, atol=1e-4, rtol=1e-4), (he - hp).abs().max()   # fp32 round-off
-    assert torch.allclose(kve, kvp, atol=1e-5, rtol=1e-5)  # the real blocks: the same cache rows (padding rows
-                                                          # change the GEMM shapes, so equal to round-off)
+    # the real blocks: the same cache rows up to fp32 round-off (padding rows change the GEMM shapes; GLM-5.3-Flash's
+    # first MLA layer sits after three KDA layers: 2-4e-5 apart on torch 2.13's CPU GEMMs), a wrong or
+    # missing row is O(1) off
+    assert torch.allclose(kve, kvp, atol=1e-4, rtol=1e-4), (kve - kvp).abs().max()
 
 
 def _generate(path, prompts, max_tokens: int, monkeypatch, **kw):

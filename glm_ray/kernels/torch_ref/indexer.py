@@ -25,11 +25,11 @@ def indexer_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, gro
                  max_bytes: int = SCORE_BYTES) -> torch.Tensor:
     """I[s,t] = sum_h w[s,h] * relu(qi[s,h] . k[t] * di^-0.5); the `topk` best causal keys per query.
 
-    qi [T, Hi, di] fp32, w [T, Hi] fp32 (head weights incl. Hi^-0.5): rows of the whole step;
+    qi [T, Hi, di] fp32 or bf16 (scored in fp32), w [T, Hi] fp32 (head weights incl. Hi^-0.5): rows of the whole step;
     key_cache [S, di] (roped, normalised keys at the flat slots). Returns indices [B, Qmax, k] int32:
     positions in the sequence, -1 for the picks that are not causal keys (fewer than k exist).
     """
-    Q, W = qi[group.q_index], w[group.q_index]                              # [B, Qmax, Hi, di], [B, Qmax, Hi]
+    Q, W = qi[group.q_index].float(), w[group.q_index]                      # [B, Qmax, Hi, di], [B, Qmax, Hi]
     causal, kv_slots = group.causal, group.kv_slots
     B, Qmax, Kmax = causal.shape
     n_heads, head_dim = qi.shape[-2], qi.shape[-1]
@@ -86,10 +86,10 @@ def indexer_kpool_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Tenso
     `indexer_topk` against the pool keys), expanded to their kpool tokens, plus (when `tail`) the
     query's incomplete pool.
 
-    qi [T, Hi, di] fp32, w [T, Hi] fp32: rows of the whole step; key_cache [S, 2di] rows [ki | gi];
-    ape [kpool, di] fp32. Pools tile every sequence from position 0. Returns mask [B, Qmax, Kmax] bool.
+    qi [T, Hi, di] fp32 or bf16 (scored in fp32), w [T, Hi] fp32: rows of the whole step; key_cache [S, 2di]
+    rows [ki | gi]; ape [kpool, di] fp32. Pools tile every sequence from position 0. Returns mask [B, Qmax, Kmax] bool.
     """
-    Q, W = qi[group.q_index], w[group.q_index]                              # [B, Qmax, Hi, di], [B, Qmax, Hi]
+    Q, W = qi[group.q_index].float(), w[group.q_index]                      # [B, Qmax, Hi, di], [B, Qmax, Hi]
     n_heads, head_dim = qi.shape[-2], qi.shape[-1]
     causal = group.causal
     B, Qmax, Kmax = causal.shape
