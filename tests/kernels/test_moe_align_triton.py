@@ -68,8 +68,8 @@ def test_auto_picks_by_size(monkeypatch):
     for name in ("moe_align_triton", "moe_align_chunked"):
         fn = getattr(moe_align_mod, name)
         monkeypatch.setattr(moe_align_mod, name, lambda *a, _f=fn, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
-    small = _ids(moe_align_mod.MAX_PAIRS // 4, 64, 4, seed=2, skew=0.0)
-    big = _ids(moe_align_mod.MAX_PAIRS // 4 + 1, 64, 4, seed=1, skew=0.0)
+    small = _ids(moe_align_mod.ONE_LAUNCH_PAIRS // 4, 64, 4, seed=2, skew=0.0)
+    big = _ids(moe_align_mod.ONE_LAUNCH_PAIRS // 4 + 1, 64, 4, seed=1, skew=0.0)
     _assert_same(moe_align_mod.moe_align_auto(small, 64, 16), L.moe_align(small, 64, 16))
     _assert_same(moe_align_mod.moe_align_auto(big, 64, 16), L.moe_align(big, 64, 16))
     assert calls == ["moe_align_triton", "moe_align_chunked"]

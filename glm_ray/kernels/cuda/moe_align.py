@@ -7,7 +7,8 @@ searchsorted. Inside a decode CUDA graph each of those is a launch of a few micr
 sort alone measured 6.5 us (batch 1) to 27 us (batch 64) per layer on the H200 (~47 us at 2048 tokens x
 4 experts/token): more than the expert GEMMs' own time at batch 1.
 
-`moe_align_triton` — one program for P = T * K <= `MAX_PAIRS` pairs:
+`moe_align_triton` — one program for P = T * K <= `MAX_PAIRS` pairs (`moe_align_auto` uses it up to
+`ONE_LAUNCH_PAIRS`):
 
 1. counts[E] = histogram of the expert ids (one-hot [SUB, E] tiles summed over rows);
 2. padded = round_up(counts, BM); pstart = exclusive cumsum; cum_blocks = inclusive cumsum / BM;
@@ -41,7 +42,11 @@ import triton.language as tl
 
 from glm_ray.kernels.cuda.layout import MoEAlign, cdiv, moe_align, moe_max_blocks
 
-MAX_PAIRS = 4096            # above: moe_align_chunked (the one-CTA chunk loop grows with P)
+MAX_PAIRS = 4096            # moe_align_triton's limit (the one-CTA chunk loop grows with P)
+# moe_align_auto: one launch up to here, three above. Estimated from two H200 points, not swept: the one-CTA
+# kernel took 83 us a layer at 4096 pairs (glm5-flash-31b 1 x 1024 step), the chunked path 10.5 us at 8192
+# pairs (three launches of a few us each); the crossover is near a few hundred pairs.
+ONE_LAUNCH_PAIRS = 512
 MAX_EXPERTS = 1024
 _TILE = 8192                # elements of a register tile (one-hot SUB x E_P2, equality SUB x CHUNK, scan)
 CHUNK = 64                  # pairs per program of moe_align_chunked (H200: 64 <= 128 < 256)
@@ -218,10 +223,10 @@ def moe_align_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int, ch
 
 
 def moe_align_auto(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlign:
-    """One launch up to MAX_PAIRS pairs, three above; the torch ops for E > MAX_EXPERTS or no pairs."""
+    """One launch up to ONE_LAUNCH_PAIRS pairs, three above; the torch ops for E > MAX_EXPERTS or no pairs."""
     p = topk_ids.numel()
     if p == 0 or num_experts > MAX_EXPERTS:
         return moe_align(topk_ids, num_experts, block_m)
-    if p <= MAX_PAIRS:
+    if p <= ONE_LAUNCH_PAIRS:
         return moe_align_triton(topk_ids, num_experts, block_m)
     return moe_align_chunked(topk_ids, num_experts, block_m)
