@@ -5,7 +5,7 @@
 # 4 x C prompts each); then `bench.offline` at batch 1/16/64 with the same lengths and scheduling.
 # SERVE_EXTRA adds serve flags (e.g. "--stream-batching-interval-ms 50" or "--ingress-replicas 2"), CS the
 # concurrencies (default "1 16 64").
-# Needs Ray and xgrammar importable (README: "Reproducing on a GPU machine without a package index"). One device call (<= 600 s).
+# Needs Ray and xgrammar importable (docs/performance.md: "Reproducing on a GPU machine without a package index"). One device call (<= 600 s).
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; SCHED=${SCHED:-async}; PORT=8000
 MDIR=$(python3 -c "from pathlib import Path; from glm_ray.bench.decode import model_dir_for; print(model_dir_for('glm5-flash-31b', 'fp8', Path('/tmp/models')))")
