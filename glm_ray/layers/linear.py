@@ -1,6 +1,7 @@
 """Linear layers that know their tensor-parallel split; the weights belong to the quant method.
 
-- `ReplicatedLinear`: every rank holds the whole weight (q_a, kv_a, the indexer).
+- `ReplicatedLinear`: every rank holds the whole weight (the indexer's projections).
+- `MergedReplicatedLinear`: several replicated outputs stored as one param (MLA's q_a + kv_a: one GEMM).
 - `ColumnParallelLinear`: output rows split across ranks (q_b, kv_b by heads; lm_head).
 - `MergedColumnParallelLinear`: several column-parallel outputs stored as one param (gate_up).
 - `RowParallelLinear`: input columns split; the partial sums are all-reduced (o_proj, down).
@@ -50,6 +51,29 @@ class LinearBase(nn.Module):
 
 class ReplicatedLinear(LinearBase):
     pass
+
+
+class MergedReplicatedLinear(ReplicatedLinear):
+    """Replicated, with `len(output_sizes)` logical outputs stored back to back (checkpoint modules of
+    possibly different sizes, concatenated along N; `forward` returns the whole [T, sum(sizes)] output).
+    A param's shard i lands after the shards before it, counted in that param's units along its output
+    axis: `param.shard_units` (block-FP8 scales: 128-row blocks; set here to the rows, `output_sizes`,
+    where the quant method did not)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], **kw):
+        self.output_sizes = list(output_sizes)
+        super().__init__(in_features, sum(output_sizes), **kw)
+        for p in self.parameters(recurse=False):          # the quant method's own units, else rows
+            if getattr(p, "output_dim", None) is not None and getattr(p, "shard_units", None) is None:
+                p.shard_units = list(self.output_sizes)
+
+    def weight_loader(self, param, ckpt, shard_id=None):
+        if shard_id is None:
+            return super().weight_loader(param, ckpt)
+        dim = getattr(param, "output_dim", None)
+        units = list(param.shard_units)
+        load_sharded(param, ckpt, shard_dim=None, rank=0, tp=1, dest_dim=dim, dest_offset=sum(units[:shard_id]),
+                     dest_len=units[shard_id])
 
 
 class ColumnParallelLinear(LinearBase):

@@ -27,7 +27,7 @@ from glm_ray.config import ModelConfig
 from glm_ray.forward_batch import AttnGroup, ForwardBatch
 from glm_ray.layers.indexer import Indexer
 from glm_ray.layers.kpool_indexer import KPoolIndexer
-from glm_ray.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from glm_ray.layers.linear import ColumnParallelLinear, MergedReplicatedLinear, ReplicatedLinear, RowParallelLinear
 from glm_ray.layers.norm import RMSNorm
 from glm_ray.layers.rotary import RopeCache
 
@@ -57,14 +57,23 @@ class MLAAttention(nn.Module):
         self.layer_idx = layer_idx
         qk = self.dn + self.dr
         common = dict(quant_config=quant_config, params_dtype=params_dtype)
-        if cfg.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(cfg.hidden_size, cfg.q_lora_rank, prefix=f"{prefix}.q_a_proj", **common)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, params_dtype)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, H * qk, prefix=f"{prefix}.q_b_proj", tp=tp, **common)
+        self.rq = cfg.q_lora_rank
+        # q_a_proj and kv_a_proj_with_mqa read the same x: one GEMM (and one activation quant) for both, as
+        # vLLM / sglang fuse them, when the checkpoint quantizes them alike; else two linears
+        self.fused_qkv_a = bool(self.rq) and quant_config.can_fuse([f"{prefix}.q_a_proj", f"{prefix}.kv_a_proj_with_mqa"])
+        if self.fused_qkv_a:
+            self.fused_qkv_a_proj = MergedReplicatedLinear(cfg.hidden_size, [self.rq, self.r + self.dr],
+                                                           prefix=f"{prefix}.fused_qkv_a_proj", **common)
+        elif self.rq:
+            self.q_a_proj = ReplicatedLinear(cfg.hidden_size, self.rq, prefix=f"{prefix}.q_a_proj", **common)
+        if self.rq:
+            self.q_a_layernorm = RMSNorm(self.rq, cfg.rms_norm_eps, params_dtype)
+            self.q_b_proj = ColumnParallelLinear(self.rq, H * qk, prefix=f"{prefix}.q_b_proj", tp=tp, **common)
         else:
             self.q_proj = ColumnParallelLinear(cfg.hidden_size, H * qk, prefix=f"{prefix}.q_proj", tp=tp, **common)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.r + self.dr,
-                                                   prefix=f"{prefix}.kv_a_proj_with_mqa", **common)
+        if not self.fused_qkv_a:
+            self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.r + self.dr,
+                                                       prefix=f"{prefix}.kv_a_proj_with_mqa", **common)
         self.kv_a_layernorm = RMSNorm(self.r, cfg.rms_norm_eps, params_dtype)
         self.kv_b_proj = ColumnParallelLinear(self.r, H * (self.dn + self.dv), prefix=f"{prefix}.kv_b_proj",
                                               tp=tp, **common)
@@ -101,8 +110,13 @@ class MLAAttention(nn.Module):
         graph's static carry; no copy after)."""
         out = out or {}
         T = x.shape[0]
-        if hasattr(self, "q_a_proj"):
-            q_resid = self.q_a_layernorm(self.q_a_proj(x))                      # [T, rq]
+        if self.fused_qkv_a:
+            qa, ckv = self.fused_qkv_a_proj(x).split([self.rq, self.r + self.dr], -1)   # [T, rq], [T, r+dr] views
+        else:
+            qa = self.q_a_proj(x) if self.rq else None                          # [T, rq]
+            ckv = self.kv_a_proj_with_mqa(x)                                    # [T, r+dr]
+        if self.rq:
+            q_resid = self.q_a_layernorm(qa)                                    # [T, rq]
             q = self.q_b_proj(q_resid)
         else:
             q_resid, q = None, self.q_proj(x)
@@ -111,7 +125,6 @@ class MLAAttention(nn.Module):
             kernels.ops().rope_inplace(q, rope.cos, rope.sin, self.interleave, self.dn)
         if "q" in out:
             q = out["q"].copy_(q)
-        ckv = self.kv_a_proj_with_mqa(x)                                        # [T, r+dr]
         # cache row [kv_a_layernorm(c) | rope(k_pe)] at slot_mapping: one `mla_kv_write` op
         cos, sin = (rope.cos, rope.sin) if self.dr else (None, None)           # [T, dr] each
         kernels.ops().mla_kv_write(ckv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin,

@@ -14,6 +14,7 @@ from glm_ray.config import ModelConfig
 from glm_ray.layers.embedding import ParallelLMHead
 from glm_ray.layers.moe import MLP, MoE
 from glm_ray.quant import Unquantized
+from glm_ray.quant.dispatch import FUSED_LINEARS
 
 
 def make_mlp(cfg: ModelConfig, sparse: bool, *, quant_config, prefix: str, params_dtype, tp: int) -> nn.Module:
@@ -100,8 +101,9 @@ def _checkpoint_names(name: str, owner: nn.Module):
             else:
                 yield f"{base}.{e}.down_proj.{suffix}", {"shard_id": "w2", "expert_id": e}
         return
-    if ".gate_up_proj." in name:
-        yield name.replace(".gate_up_proj.", ".gate_proj."), {"shard_id": 0}
-        yield name.replace(".gate_up_proj.", ".up_proj."), {"shard_id": 1}
-        return
+    for fused, parts in FUSED_LINEARS.items():          # gate_up_proj, fused_qkv_a_proj: one tensor per shard
+        if fused + "." in name:
+            for i, part in enumerate(parts):
+                yield name.replace(fused + ".", part + "."), {"shard_id": i}
+            return
     yield name, {}

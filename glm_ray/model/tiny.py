@@ -235,8 +235,9 @@ def _export(p: torch.Tensor, kw: dict) -> torch.Tensor:
     if e is not None:
         w = p.data[e]
         return w if sid == "w2" else w.chunk(2, dim=0)[0 if sid == "w1" else 1]
-    if sid is not None:
-        return p.data.chunk(2, dim=0)[sid]
+    if sid is not None:                                          # merged linears: shard sid of its units
+        units = getattr(p, "shard_units", None)
+        return p.data.split(units, dim=p.output_dim)[sid] if units else p.data.chunk(2, dim=0)[sid]
     return p.data
 
 

@@ -55,3 +55,8 @@ class QuantConfig(ABC):
 
     @abstractmethod
     def get_method(self, layer: nn.Module, prefix: str) -> LinearMethod | MoEMethod: ...
+
+    def can_fuse(self, prefixes: list[str]) -> bool:
+        """Whether the checkpoint linears at `prefixes` resolve to one method, so that one runtime linear
+        (their weights concatenated along N) can hold them."""
+        return True

@@ -33,8 +33,9 @@ from glm_ray.quant.mxfp4 import Mxfp4LinearMethod, Mxfp4MoEMethod
 from glm_ray.quant.runtime import describe
 from glm_ray.quant.unquantized import UnquantizedLinearMethod, UnquantizedMoEMethod
 
-# runtime fused linears -> the checkpoint modules they are built from (suffix replacement)
-FUSED_LINEARS = {".gate_up_proj": (".gate_proj", ".up_proj")}
+# runtime fused linears -> the checkpoint modules they are built from (suffix replacement), in order
+FUSED_LINEARS = {".gate_up_proj": (".gate_proj", ".up_proj"),
+                 ".fused_qkv_a_proj": (".q_a_proj", ".kv_a_proj_with_mqa")}
 
 
 def checkpoint_shards(prefix: str) -> list[str] | None:
@@ -77,6 +78,13 @@ class SpecQuantConfig(QuantConfig):
         if layer_kind(layer) == LayerKind.MOE:
             return "moe", self.spec.scheme_for(prefix, "moe", num_experts=layer.num_experts)
         return "linear", self.spec.scheme_for(prefix, "linear", shard_prefixes=checkpoint_shards(prefix))
+
+    def can_fuse(self, prefixes: list[str]) -> bool:
+        try:
+            self.spec.scheme_for(prefixes[0], "linear", shard_prefixes=prefixes)
+        except UnsupportedQuantSchemeError:          # shards that disagree (or a scheme the layers reject)
+            return False
+        return True
 
     def get_method(self, layer: nn.Module, prefix: str) -> LinearMethod | MoEMethod:
         kind, scheme = self.scheme_for_layer(layer, prefix)

@@ -79,6 +79,7 @@ class Fp8BlockLinearMethod(LinearMethod):
         layer.register_parameter("weight", set_weight_attrs(
             w, output_dim=0, input_dim=1, weight_loader=loader_w, ckpt_dtypes=FP8_CKPT_DTYPES))
         fp8_dummy_pair(w, scale, in_features)
+        w.shard_units, scale.shard_units = sizes, srows        # merged layers: each shard's rows / blocks
         aligned = len(sizes) == 1 or all(s % bn == 0 for s in sizes[:-1])
         layer.fp8_shards = None if aligned else list(zip(sizes, srows))   # [(rows, scale rows)] per shard
         layer.fp8_out_dtype = params_dtype

@@ -90,6 +90,9 @@ class Fp8ProjOverlay(QuantConfig):
             logger.info("fp8_proj_gemm: MLA q_b_proj/o_proj use a block-FP8 GEMM when a batch has > %d tokens",
                         min_tokens)
 
+    def can_fuse(self, prefixes):
+        return self.base.can_fuse(prefixes)
+
     def get_method(self, layer, prefix):
         m = self.base.get_method(layer, prefix)
         if self.active and prefix.endswith(PROJ_SUFFIXES) and type(m) is UnquantizedLinearMethod:

@@ -2,12 +2,29 @@
 exactly what the synchronous loop returns: greedy and seeded sampling, logprobs, stop strings and stop
 token ids (one extra token is computed and discarded), max_tokens, n > 1, penalties and min_tokens (whose
 sampling reads the host's outputs), chunked prefill with prompt logprobs, preemption, and aborts
-mid-stream; the scheduler never schedules past a certain length finish. fp32 on CPU."""
+mid-stream; the scheduler never schedules past a certain length finish. fp32 on CPU.
+
+Token ids, finish reasons and the top-logprob token sets are compared exactly; the logprob values to fp32
+round-off (`same_outputs`): the extra token a stopping request computes under async scheduling changes the
+next step's batch rows, and some CPUs' GEMMs (MKL's kernel choice depends on M) then round the other rows'
+logits differently in the 7th digit."""
 from __future__ import annotations
 
 import torch
 
 from glm_ray import LLM, SamplingParams
+
+
+def same_outputs(a, b, tol: float = 1e-5) -> bool:
+    """Equal structures: ints, strings, None, token-id dict keys exactly; floats (logprobs) within `tol`."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= tol
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_outputs(a[k], b[k], tol) for k in a)
+    if isinstance(a, (list, tuple)):
+        return (isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(same_outputs(x, y, tol) for x, y in zip(a, b)))
+    return a == b
 
 
 def _ids(n, seed):
@@ -45,7 +62,7 @@ def test_async_equals_sync(oracle_dir):
     params = _params(_stop_token(oracle_dir))
     sync, _ = _run(oracle_dir, params, False)
     asyn, llm = _run(oracle_dir, params, True)
-    assert asyn == sync
+    assert same_outputs(asyn, sync)
     assert sync[3][0][1] == "stop" and len(sync[3][0][0]) == 6          # the stop token ended it
     assert all(len(c[0]) == 12 for c in sync[2][:2])                      # n = 2, max_tokens
     assert llm.engine.scheduler.num_unfinished == 0 and not llm.engine.requests
@@ -61,7 +78,7 @@ def test_async_equals_sync_chunked_and_preempted(oracle_dir):
     sync, s_llm = _run(oracle_dir, params, False, **kw)
     asyn, a_llm = _run(oracle_dir, params, True, **kw)
     assert s_llm.engine.num_preemptions > 0 and a_llm.engine.num_preemptions > 0
-    assert asyn == sync
+    assert same_outputs(asyn, sync)
 
 
 def test_abort_mid_stream_frees_everything(oracle_dir):
@@ -115,7 +132,7 @@ def test_async_on_the_graph_static_path(oracle_dir, monkeypatch):
     sync, _ = _run(oracle_dir, params, False, max_num_seqs=8)
     asyn, llm = _run(oracle_dir, params, True, max_num_seqs=8)
     assert llm.engine.executor.worker.runner.num_graph_steps >= 8
-    assert asyn == sync
+    assert same_outputs(asyn, sync)
 
 
 def test_offline_bench_ab_switches_the_loop(oracle_dir):
