@@ -22,10 +22,20 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_GIVEN: set[int] = set()     # ports this process handed out: never twice (the OS may offer a freed one again)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on 127.0.0.1 that no earlier call returned (two consecutive bind-to-0 probes can
+    get the same port back once the first socket is closed: a CI run once gave Ray's object manager and
+    dashboard agent the same port and `ray start` failed)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 @dataclass

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -33,6 +32,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import yaml
 
+from tests.cluster import free_port  # one port allocator for the session (test_deploy_promserver imports it here)
+
 
 class PromServerError(RuntimeError):
     pass
@@ -40,12 +41,6 @@ class PromServerError(RuntimeError):
 
 class PromQueryError(PromServerError):
     """The server rejected a query (bad PromQL: errorType "bad_data")."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class PromServer:

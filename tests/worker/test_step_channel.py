@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -30,6 +29,7 @@ import torch.multiprocessing as mp
 from glm_ray.distributed import parallel_state
 from glm_ray.engine.contract import ModelRunnerOutput, NewRequestData, SchedulerOutput, StepFailure
 from glm_ray.engine.sampling_params import SamplingParams
+from tests.cluster import free_port
 
 TIMEOUT_S = 5.0            # rank 0's host-group timeout in the children (the production value is 120 s)
 PROMPTS = [[11, 250, 37, 901, 64], [500, 12, 77, 3, 480, 91, 200, 15, 610], [42, 42, 7]]
@@ -37,10 +37,6 @@ MAX_TOKENS = 5
 BAD = "bad"                # the request rank 1 reports as failed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(fn, rank: int, port: int, out_dir: str, *args) -> None:
@@ -61,7 +57,7 @@ def _child(fn, rank: int, port: int, out_dir: str, *args) -> None:
 def _spawn_pair(fn, tmp_path, *args, wait_s: float = 80.0):
     """Run `fn(rank, init_method, *args)` on ranks 0 and 1; return (exit codes, results by rank)."""
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, port, str(tmp_path), *args)) for r in (0, 1)]
     for p in procs:
         p.start()
