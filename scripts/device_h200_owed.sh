@@ -95,7 +95,7 @@ fi
 if [ $PART = sparse ]; then
   echo "== bench.attention --mode prefill: sparse tile walks" >> $S
   timeout ${SPARSE_LIM:-200} python3 -m glm_ray.bench.attention --mode prefill --heads 32 64 --prefill-shapes 1x8192 4x8192 \
-     --no-reference --sparse-tiles noskip-expand noskip-gather skip-expand skip-gather \
+     --no-reference --sparse-tiles noskip skip \
      --json $OUT/sparse_walks.jsonl > $OUT/sparse_walks.log 2>&1; echo "rc=$?" >> $S
   grep -vE "INFO|WARNING" $OUT/sparse_walks.log | tail -16 >> $S
   echo "== gpu test mla_prefill" >> $S

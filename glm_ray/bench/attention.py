@@ -25,7 +25,7 @@ FLOPs / attn_us, with attention FLOPs = 2 * h * (dqk + dv) per causal (query, ke
 kernel's MMAs do in both modes (a sparse tile is skipped only when no query of it picked a key), so
 sparse rows count the same FLOPs as dense; `peak_ratio` = attn_tflops / 989, the H200 SXM datasheet
 dense BF16 peak (no sparsity). `--config BM BN WARPS STAGES` times
-one kernel config instead of the table's (tuning); `--sparse-tiles skip-gather noskip-expand ...` times
+one kernel config instead of the table's (tuning); `--sparse-tiles skip noskip` times
 the sparse rows once per way of walking the tiles (`mla_prefill.SparseTiles`; the default: the shipped one),
 `--sparse-only` skips the dense rows of sparse shapes.
 """
@@ -231,10 +231,10 @@ PREFILL_COLS = ["h", "B", "L", "prefix", "mode", "us", "expand_us", "attn_us", "
 
 
 def tiles_name(t: SparseTiles) -> str:
-    return f"{'skip' if t.skip_empty else 'noskip'}-{'expand' if t.expand_words else 'gather'}"
+    return "skip" if t.skip_empty else "noskip"
 
 
-TILES = {tiles_name(t): t for t in (SparseTiles(s, e) for s in (False, True) for e in (True, False))}
+TILES = {tiles_name(t): t for t in (SparseTiles(skip) for skip in (False, True))}
 
 
 def _shape(text: str) -> tuple[int, int]:

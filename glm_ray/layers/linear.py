@@ -53,27 +53,35 @@ class ReplicatedLinear(LinearBase):
     pass
 
 
-class MergedReplicatedLinear(ReplicatedLinear):
-    """Replicated, with `len(output_sizes)` logical outputs stored back to back (checkpoint modules of
-    possibly different sizes, concatenated along N; `forward` returns the whole [T, sum(sizes)] output).
-    A param's shard i lands after the shards before it, counted in that param's units along its output
-    axis: `param.shard_units` (block-FP8 scales: 128-row blocks; set here to the rows, `output_sizes`,
-    where the quant method did not)."""
+class _MergedShards:
+    """Several checkpoint modules stored back to back along N in one param (gate_up; q_a + kv_a). Shard i of
+    a param lands after the shards before it, counted in that param's units along its output axis per rank:
+    `param.shard_units`, set by the quant method where it stores in other units (block-FP8 scales: 128-row
+    blocks), else here to the rows (`output_sizes` / tp)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], **kw):
-        self.output_sizes = list(output_sizes)
-        super().__init__(in_features, sum(output_sizes), **kw)
-        for p in self.parameters(recurse=False):          # the quant method's own units, else rows
+    output_sizes: list[int]
+
+    def _set_shard_units(self) -> None:
+        for p in self.parameters(recurse=False):
             if getattr(p, "output_dim", None) is not None and getattr(p, "shard_units", None) is None:
-                p.shard_units = list(self.output_sizes)
+                p.shard_units = [s // self.tp for s in self.output_sizes]
 
     def weight_loader(self, param, ckpt, shard_id=None):
         if shard_id is None:
             return super().weight_loader(param, ckpt)
-        dim = getattr(param, "output_dim", None)
-        units = list(param.shard_units)
-        load_sharded(param, ckpt, shard_dim=None, rank=0, tp=1, dest_dim=dim, dest_offset=sum(units[:shard_id]),
-                     dest_len=units[shard_id])
+        dim, units = param.output_dim, param.shard_units
+        load_sharded(param, ckpt, shard_dim=self._shard_dim(param), rank=tp_rank(), tp=self.tp, dest_dim=dim,
+                     dest_offset=sum(units[:shard_id]), dest_len=units[shard_id])
+
+
+class MergedReplicatedLinear(_MergedShards, ReplicatedLinear):
+    """Replicated, `len(output_sizes)` logical outputs of possibly different sizes back to back; `forward`
+    returns the whole [T, sum(sizes)] output."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], **kw):
+        self.output_sizes = list(output_sizes)
+        super().__init__(in_features, sum(output_sizes), **kw)
+        self._set_shard_units()
 
 
 class ColumnParallelLinear(LinearBase):
@@ -85,22 +93,13 @@ class ColumnParallelLinear(LinearBase):
         return i, o // tp
 
 
-class MergedColumnParallelLinear(ColumnParallelLinear):
+class MergedColumnParallelLinear(_MergedShards, ColumnParallelLinear):
     """Column-parallel with `len(output_sizes)` logical outputs stored back to back per rank."""
 
     def __init__(self, in_features: int, output_sizes: list[int], **kw):
         self.output_sizes = list(output_sizes)
         super().__init__(in_features, sum(output_sizes), **kw)
-
-    def weight_loader(self, param, ckpt, shard_id=None):
-        if shard_id is None:
-            return super().weight_loader(param, ckpt)
-        dim = getattr(param, "output_dim", None)
-        # per-rank, per-shard length along the output axis, in this param's units (rows or blocks)
-        n = len(self.output_sizes)
-        per = param.shape[dim] // n  # NOTE: gate/up halves are equal, so shards are equal-sized
-        load_sharded(param, ckpt, shard_dim=dim if self.tp > 1 else None, rank=tp_rank(), tp=self.tp,
-                     dest_dim=dim, dest_offset=shard_id * per, dest_len=per)
+        self._set_shard_units()
 
 
 class RowParallelLinear(LinearBase):

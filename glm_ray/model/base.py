@@ -79,6 +79,22 @@ class CausalLM(nn.Module):
         return out
 
 
+def forward_by_pieces(model: nn.Module, input_ids: torch.Tensor, batch, run_piece, piece, attend) -> torch.Tensor:
+    """The forward of a piecewise model (`CausalLM.piecewise()`): piece 0, then per layer its attention and
+    the next piece -> the last piece's "hidden" [T, D]. `run_piece(k, carry)`: the piecewise graphs' replay;
+    None runs `piece(k, carry, index_queries)` eagerly with this step's variant (`model.index_queries`).
+    `attend(i, carry, prev_mask, out)` -> (layer i's attention output, the selections it passes on)."""
+    if run_piece is None:
+        iq = model.index_queries(batch)
+        run_piece = lambda k, carry: piece(k, carry, iq)  # noqa: E731
+    carry, mask = run_piece(0, {"ids": input_ids}), None
+    for i in range(model.cfg.num_hidden_layers):
+        key = model.out_key(i)
+        carry[key], mask = attend(i, carry, mask, carry.get(key))
+        carry = run_piece(i + 1, carry)
+    return carry["hidden"]
+
+
 _EXPERT_PARAM = re.compile(r"^(.*\.experts)\.(w13|w2)_(\w+)$")
 
 

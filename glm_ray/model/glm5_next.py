@@ -29,7 +29,7 @@ from glm_ray.layers.kda import KimiDeltaAttention
 from glm_ray.layers.mhc import HyperConnection
 from glm_ray.layers.mla import MLAAttention, MLAQuery
 from glm_ray.layers.norm import RMSNorm
-from glm_ray.model.base import CausalLM, make_mlp
+from glm_ray.model.base import CausalLM, forward_by_pieces, make_mlp
 
 # KDA layer index -> (conv_state [S, K-1, 3·H·dk], recurrent state [S, H, dk, dv] fp32)
 StateCaches = dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -142,16 +142,10 @@ class Glm5NextTextModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches, index_caches,
                 state_caches: StateCaches, run_piece=None) -> torch.Tensor:
         """ids [T] -> hidden [T, D]; `run_piece` as GlmMoeDsaModel.forward's."""
-        if run_piece is None:                          # eager: the pieces here (the graphs decide their own variant)
-            iq = self.index_queries(batch)
-            run_piece = lambda k, carry: self.piece(k, carry, batch, kv_caches, index_caches, iq)  # noqa: E731
-        carry, mask = run_piece(0, {"ids": input_ids}), None
-        for i in range(self.cfg.num_hidden_layers):
-            key = self.out_key(i)
-            carry[key], mask = self.attend(i, carry, batch, kv_caches, index_caches, state_caches, mask,
-                                           carry.get(key))
-            carry = run_piece(i + 1, carry)
-        return carry["hidden"]
+        return forward_by_pieces(
+            self, input_ids, batch, run_piece,
+            lambda k, carry, iq: self.piece(k, carry, batch, kv_caches, index_caches, iq),
+            lambda i, carry, mask, out: self.attend(i, carry, batch, kv_caches, index_caches, state_caches, mask, out))
 
 
 class Glm5NextForCausalLM(CausalLM):

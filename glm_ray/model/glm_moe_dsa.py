@@ -19,7 +19,7 @@ from glm_ray.layers.linear import ReplicatedLinear
 from glm_ray.layers.mla import MLAAttention, MLAQuery
 from glm_ray.layers.norm import RMSNorm
 from glm_ray.layers.rotary import RopeCache, RotaryEmbedding
-from glm_ray.model.base import CausalLM, make_mlp
+from glm_ray.model.base import CausalLM, forward_by_pieces, make_mlp
 from glm_ray.quant import Unquantized
 
 
@@ -143,15 +143,10 @@ class GlmMoeDsaModel(nn.Module):
                 index_caches: dict[int, torch.Tensor], run_piece=None) -> torch.Tensor:
         """ids [T] -> final-normed hidden [T, D]. `run_piece(k, carry)` runs piece k (default: eagerly);
         the piecewise graphs pass their replay, and the attentions between the pieces run here."""
-        if run_piece is None:                          # eager: the pieces here (the graphs decide their own variant)
-            iq = self.index_queries(batch)
-            run_piece = lambda k, carry: self.piece(k, carry, batch, kv_caches, index_caches, iq)  # noqa: E731
-        carry, mask = run_piece(0, {"ids": input_ids}), None
-        for i in range(self.cfg.num_hidden_layers):
-            key = self.out_key(i)
-            carry[key], mask = self.attend(i, carry, batch, kv_caches, index_caches, mask, carry.get(key))
-            carry = run_piece(i + 1, carry)
-        return carry["hidden"]
+        return forward_by_pieces(
+            self, input_ids, batch, run_piece,
+            lambda k, carry, iq: self.piece(k, carry, batch, kv_caches, index_caches, iq),
+            lambda i, carry, mask, out: self.attend(i, carry, batch, kv_caches, index_caches, mask, out))
 
 
 class GlmMoeDsaForCausalLM(CausalLM):

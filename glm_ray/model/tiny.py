@@ -236,8 +236,7 @@ def _export(p: torch.Tensor, kw: dict) -> torch.Tensor:
         w = p.data[e]
         return w if sid == "w2" else w.chunk(2, dim=0)[0 if sid == "w1" else 1]
     if sid is not None:                                          # merged linears: shard sid of its units
-        units = getattr(p, "shard_units", None)
-        return p.data.split(units, dim=p.output_dim)[sid] if units else p.data.chunk(2, dim=0)[sid]
+        return p.data.split(p.shard_units, dim=p.output_dim)[sid]
     return p.data
 
 

@@ -59,6 +59,41 @@ TOPK_CHUNK = None       # scores per loop step of `topk_positions` (None: topk.C
 TOPK_WARPS = None       # its warps per program (None: topk.NUM_WARPS)
 
 
+@triton.jit
+def _bf16_parts(q):
+    """fp32 q -> bf16 parts with q1 + q2 + q3 == q to ~2^-24 (each part rounds what is left; the parts a
+    kernel's NSPLIT does not use are dead code)."""
+    q1 = q.to(tl.bfloat16)
+    r = q - q1.to(tl.float32)
+    q2 = r.to(tl.bfloat16)
+    return q1, q2, (r - q2.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _parts_dot(keys, p1, p2, p3, NSPLIT: tl.constexpr, PARTS_LEFT: tl.constexpr, INTERP: tl.constexpr):
+    """The sum over the first NSPLIT bf16 query parts of dot(part, keys) (PARTS_LEFT) or dot(keys, part):
+    bf16 tensor-core dots accumulated in fp32 (fp32 numpy dots of the same parts under the interpreter,
+    whose bf16 dot is garbage)."""
+    if INTERP:
+        keys = keys.to(tl.float32)
+        p1 = p1.to(tl.float32)
+        p2 = p2.to(tl.float32)
+        p3 = p3.to(tl.float32)
+    if PARTS_LEFT:
+        acc = tl.dot(p1, keys)
+        if NSPLIT >= 2:
+            acc = tl.dot(p2, keys, acc)
+        if NSPLIT >= 3:
+            acc = tl.dot(p3, keys, acc)
+    else:
+        acc = tl.dot(keys, p1)
+        if NSPLIT >= 2:
+            acc = tl.dot(keys, p2, acc)
+        if NSPLIT >= 3:
+            acc = tl.dot(keys, p3, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=['KMAX'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, cl_ptr, out_ptr,
                            stride_qb, stride_qh, stride_wb, stride_k, stride_bt, stride_ob, scale,
@@ -77,11 +112,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, cl_ptr, out_ptr,
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + offs_h[None, :] * stride_qh + offs_d[:, None],
                     mask=d_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)   # [DB, HB] = qi[b]^T
         wv = tl.load(w_ptr + b.to(tl.int64) * stride_wb + offs_h, mask=h_ok, other=0.0).to(tl.float32)   # [HB]
-        # bf16 parts of q: q1 + q2 + q3 == q to ~2^-24 (each part rounds the remainder); unused ones are dead
-        q1 = q.to(tl.bfloat16)
-        r = q - q1.to(tl.float32)
-        q2 = r.to(tl.bfloat16)
-        q3 = (r - q2.to(tl.float32)).to(tl.bfloat16)
+        q1, q2, q3 = _bf16_parts(q)                                            # [DB, HB] each
         for i in tl.static_range(TILES):                                       # unrolled: loads issue together
             offs_n = base + i * BLOCK_N + tl.arange(0, BLOCK_N)                # [BN] positions
             valid = offs_n < ctx
@@ -91,19 +122,8 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, cl_ptr, out_ptr,
                          mask=valid[:, None] & d_ok[None, :], other=0.0)       # [BN, DB]
             if NSPLIT == 0:                                                    # fp32 keys: exact fp32 dot
                 acc = tl.dot(kt.to(tl.float32), q, input_precision="ieee")     # [BN, HB]
-            elif INTERP:                                                       # fp32 numpy dots of the parts
-                kf = kt.to(tl.float32)
-                acc = tl.dot(kf, q1.to(tl.float32))
-                if NSPLIT >= 2:
-                    acc += tl.dot(kf, q2.to(tl.float32))
-                if NSPLIT >= 3:
-                    acc += tl.dot(kf, q3.to(tl.float32))
-            else:                                                              # bf16 tensor-core dots
-                acc = tl.dot(kt, q1)
-                if NSPLIT >= 2:
-                    acc = tl.dot(kt, q2, acc)
-                if NSPLIT >= 3:
-                    acc = tl.dot(kt, q3, acc)
+            else:
+                acc = _parts_dot(kt, q1, q2, q3, NSPLIT, False, INTERP)       # [BN, HB]
             s = tl.maximum(acc * scale, 0.0)                                   # [BN, HB]
             score = tl.sum(s * wv[None, :], axis=1)                            # [BN]
             tl.store(o_row + offs_n, tl.where(valid, score, float("-inf")), mask=offs_n < KMAX)
@@ -155,23 +175,8 @@ def _indexer_prefill_scores_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, row0_ptr, nrows_
                 if NSPLIT == 0:                                                # fp32 keys: exact fp32 dot
                     s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")   # [BM, BN]
                 else:
-                    q1 = q.to(tl.bfloat16)
-                    r = q - q1.to(tl.float32)
-                    q2 = r.to(tl.bfloat16)
-                    q3 = (r - q2.to(tl.float32)).to(tl.bfloat16)
-                    if INTERP:                                                 # fp32 numpy dots of the parts
-                        kf = kt.to(tl.float32)
-                        s = tl.dot(q1.to(tl.float32), kf)
-                        if NSPLIT >= 2:
-                            s += tl.dot(q2.to(tl.float32), kf)
-                        if NSPLIT >= 3:
-                            s += tl.dot(q3.to(tl.float32), kf)
-                    else:                                                      # bf16 tensor-core dots
-                        s = tl.dot(q1, kt)
-                        if NSPLIT >= 2:
-                            s = tl.dot(q2, kt, s)
-                        if NSPLIT >= 3:
-                            s = tl.dot(q3, kt, s)
+                    q1, q2, q3 = _bf16_parts(q)                                # [BM, DB] each
+                    s = _parts_dot(kt, q1, q2, q3, NSPLIT, True, INTERP)       # [BM, BN]
                 acc += tl.maximum(s * scale, 0.0) * wh[:, None]
             causal = offs_n[None, :] < lens[:, None]
             tl.store(o_ptrs, tl.where(causal, acc, float("-inf")), mask=o_mask)
