@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The H200 measurements the open issues still owe, in one device call (<= 600 s each PART):
 #   PART=tests    GPU tests of code changed since its last GPU run (session 22): the rope_inplace rewrite (contiguous
-#                 loads), the chunked MoE alignment (now from 513 pairs), then the engine paths around them (decode
-#                 graphs, piecewise graphs, GLM-5.3-Flash end to end)
+#                 loads), the chunked MoE alignment (now from 513 pairs), the indexer's shared split-dot helpers, the
+#                 MLA prefill without the gather walk, then the engine paths around them (decode graphs, piecewise
+#                 graphs with fused q_a/kv_a, GLM-5.3-Flash end to end)
 #   PART=prefill  bench.attention --mode prefill: the Triton MLA prefill vs its FLOP floor (#20 measure 1)
 #   PART=grammar  bench.structured on glm5-flash-31b FP8 dummy: 0/16/64 constrained of 64 (#21 measure)
 #   PART=indexer  bench.indexer --prefill: the prefill indexer (a row per query token) vs the torch reference (#20 item 2)
@@ -30,7 +31,7 @@ source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; PART=${PART:-all}
 MDIR=$(python3 -c "from pathlib import Path; from glm_ray.bench.decode import model_dir_for; print(model_dir_for('glm5-flash-31b', 'fp8', Path('/tmp/models')))")
 if [ $PART = all ] || [ $PART = tests ]; then
   echo "== gpu tests" >> $S
-  for f in ${TESTS:-tests/gpu/test_cuda_rope.py tests/gpu/test_cuda_moe_align.py tests/gpu/test_cuda_graphs.py tests/gpu/test_piecewise_graphs.py tests/gpu/test_gpu_glm5_next.py}; do
+  for f in ${TESTS:-tests/gpu/test_cuda_rope.py tests/gpu/test_cuda_moe_align.py tests/gpu/test_cuda_indexer.py tests/gpu/test_cuda_mla_prefill.py tests/gpu/test_cuda_graphs.py tests/gpu/test_piecewise_graphs.py tests/gpu/test_gpu_glm5_next.py}; do
     timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider $f > $OUT/t.log 2>&1
     echo "$(basename $f) rc=$? $(tail -1 $OUT/t.log)" >> $S
     grep -E "^(FAILED|ERROR|E  )" $OUT/t.log | cut -c1-300 | head -30 >> $S; cat $OUT/t.log >> $OUT/gpu_tests.log
