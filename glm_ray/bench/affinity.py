@@ -104,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hit-source", choices=["metrics", "usage"], default="metrics",
                    help="prefix hit rate from Ray's metrics export (the replicas' counters), or from the responses' "
                         "usage.prompt_tokens_details.cached_tokens (where Ray's metrics agent does not run)")
+    p.add_argument("--warmup-groups", type=int, default=0,
+                   help="a discarded run of this many groups (other prefixes) per app before the measured ones")
+    p.add_argument("--apps-in-turn", action="store_true",
+                   help="deploy one app at a time (its warm-up and runs, then the other's) where the model fits "
+                        "only one app's replicas at once, e.g. two GPU replicas on one GPU; not interleaved then")
     p.add_argument("--num-cpus", type=int, default=8, help="the local Ray's logical CPUs")
     p.add_argument("--workdir", default=None, help="bench results (default: a temporary directory)")
     args = p.parse_args(argv)
@@ -123,33 +128,58 @@ def main(argv: list[str] | None = None) -> int:
     http_port, metrics_port = _free_port(), _free_port()
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, _metrics_export_port=metrics_port,
              _node_ip_address="127.0.0.1", _system_config={"metrics_report_interval_ms": 1000})
+    rows: dict[str, list[dict]] = {app: [] for app in ROUTERS}
+    counts = {app: [0.0, 0.0] for app in ROUTERS}
+    prompt_tokens = args.groups * args.prompts_per_group * (args.system_prompt_len + args.question_len)
+
+    def deploy(app: str) -> None:
+        serve.run(build_app({**app_args, "request_router": ROUTERS[app]}), name=app, route_prefix=f"/{app}")
+
+    def bench(app: str, groups: int, seed: int, out: Path) -> dict:
+        subprocess.run(
+            [sys.executable, "-m", "glm_ray.cli", "bench", "--base-url", f"http://127.0.0.1:{http_port}/{app}",
+             "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", str(groups),
+             "--gsp-prompts-per-group", str(args.prompts_per_group),
+             "--gsp-system-prompt-len", str(args.system_prompt_len),
+             "--gsp-question-len", str(args.question_len), "--gsp-output-len", str(args.output_len),
+             "--max-concurrency", str(args.max_concurrency), "--seed", str(seed),
+             "--warmup-requests", "0", "--tag", f"request_router={ROUTERS[app]}",
+             "--output-file", str(out), "--no-plot"], check=True, stdout=sys.stderr)
+        return json.loads(out.read_text().splitlines()[-1])
+
+    def warm(app: str) -> None:
+        """A discarded run of the same shape with other prefixes: first-use costs (kernel compiles, allocator
+        growth) stay out of the measured runs."""
+        bench(app, args.warmup_groups, 1000, workdir / f"warmup_{app}.jsonl")
+
+    def run(app: str, rep: int) -> None:
+        q0, h0 = settled(metrics_port, app, 0) if args.hit_source == "metrics" else (0.0, 0.0)
+        rows[app].append(bench(app, args.groups, rep + 1, workdir / f"bench_{app}.jsonl"))
+        if args.hit_source == "metrics":
+            q1, h1 = settled(metrics_port, app, q0 + prompt_tokens)
+        else:                       # every prompt token is a query; the cached ones are hits
+            q1, h1 = float(rows[app][-1]["total_input_tokens"]), float(rows[app][-1].get("total_cached_tokens") or 0)
+        counts[app][0] += q1 - q0
+        counts[app][1] += h1 - h0
+
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        for app, router in ROUTERS.items():
-            serve.run(build_app({**app_args, "request_router": router}), name=app, route_prefix=f"/{app}")
-        rows: dict[str, list[dict]] = {app: [] for app in ROUTERS}
-        counts = {app: [0.0, 0.0] for app in ROUTERS}
-        prompt_tokens = args.groups * args.prompts_per_group * (args.system_prompt_len + args.question_len)
-        for rep in range(args.repetitions):
+        if args.apps_in_turn:       # one app deployed at a time: A's runs, then B's (the models fit only twice)
             for app in ROUTERS:
-                q0, h0 = settled(metrics_port, app, 0) if args.hit_source == "metrics" else (0.0, 0.0)
-                out = workdir / f"bench_{app}.jsonl"
-                subprocess.run(
-                    [sys.executable, "-m", "glm_ray.cli", "bench", "--base-url", f"http://127.0.0.1:{http_port}/{app}",
-                     "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", str(args.groups),
-                     "--gsp-prompts-per-group", str(args.prompts_per_group),
-                     "--gsp-system-prompt-len", str(args.system_prompt_len),
-                     "--gsp-question-len", str(args.question_len), "--gsp-output-len", str(args.output_len),
-                     "--max-concurrency", str(args.max_concurrency), "--seed", str(rep + 1),
-                     "--warmup-requests", "0", "--tag", f"request_router={ROUTERS[app]}",
-                     "--output-file", str(out), "--no-plot"], check=True, stdout=sys.stderr)
-                rows[app].append(json.loads(out.read_text().splitlines()[-1]))
-                if args.hit_source == "metrics":
-                    q1, h1 = settled(metrics_port, app, q0 + prompt_tokens)
-                else:                       # every prompt token is a query; the cached ones are hits
-                    q1, h1 = float(rows[app][-1]["total_input_tokens"]), float(rows[app][-1].get("total_cached_tokens") or 0)
-                counts[app][0] += q1 - q0
-                counts[app][1] += h1 - h0
+                deploy(app)
+                if args.warmup_groups:
+                    warm(app)
+                for rep in range(args.repetitions):
+                    run(app, rep)
+                serve.delete(app)
+        else:
+            for app in ROUTERS:
+                deploy(app)
+            for app in ROUTERS if args.warmup_groups else ():
+                warm(app)
+            for rep in range(args.repetitions):
+                for app in ROUTERS:
+                    run(app, rep)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -158,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         args.prompts_per_group * (args.system_prompt_len + args.question_len))
     print(f"\ngenerated-shared-prefix: {args.groups} groups x {args.prompts_per_group} prompts, "
           f"{args.system_prompt_len}-token prefix + {args.question_len}-token question, {args.output_len} output "
-          f"tokens, C={args.max_concurrency}; {args.replicas} Router replicas per app; {args.repetitions} interleaved "
-          f"runs each, means over runs (results: {workdir}); hit rate if each prefix is computed once: "
+          f"tokens, C={args.max_concurrency}; {args.replicas} Router replicas per app; {args.repetitions} "
+          f"{'runs each, one app at a time' if args.apps_in_turn else 'interleaved runs each'}, means over runs (results: {workdir}); hit rate if each prefix is computed once: "
           f"{ideal:.1%}\n")
     print("| request_router | prefix hit rate | hits / queries (tokens) | mean TTFT (ms) | median TTFT (ms) | "
           "P99 TTFT (ms) | req/s |")
