@@ -5,13 +5,13 @@
 # 32 tokens, output 16, C=4. Each lifetime first runs a discarded 2-group warm-up of the same shape (WARM=0:
 # none). On the H200: MODEL=<dir> EXTRA="--load-format dummy --device cuda"
 # GSP="--gsp-num-groups 32 --gsp-prompts-per-group 16 --gsp-system-prompt-len 2048 --gsp-question-len 128
-# --gsp-output-len 128" C=16.
+# --gsp-output-len 128" C=16. MODES="on" runs one lifetime only.
 #   bash scripts/prefix_cache_ab.sh        (results under ${OUT:-results/prefix-cache})
 set -uo pipefail
 OUT=${OUT:-results/prefix-cache}; mkdir -p $OUT; PORT=${PORT:-8100}; C=${C:-4}
 MODEL=${MODEL:-tiny}; EXTRA=${EXTRA:-}; GLMRAY=${GLMRAY:-glm-ray}      # GLMRAY="python3 -m glm_ray.cli" uninstalled
 GSP=${GSP:---gsp-num-groups 8 --gsp-prompts-per-group 8 --gsp-system-prompt-len 1024 --gsp-question-len 32 --gsp-output-len 16}
-for mode in on off; do
+for mode in ${MODES:-on off}; do
   flag=""; [ $mode = off ] && flag=--no-enable-prefix-caching
   $GLMRAY serve $MODEL $EXTRA $flag --port $PORT --metrics-port $((PORT + 1)) > $OUT/serve_$mode.log 2>&1 &
   server=$!
@@ -26,12 +26,20 @@ for mode in on off; do
   curl -s 127.0.0.1:$((PORT + 1))/metrics | grep -E '^ray_glm_ray_prefix_cache_(queries|hits)_total' > $OUT/stats_$mode.prom
   # the engine's stats lines: its own TTFT (arrival at the engine -> first token) beside the client's
   grep -o "engine: prompt.*" $OUT/serve_$mode.log | grep -v "generation 0.0 tok/s" | cut -c1-420 > $OUT/stats_lines_$mode.txt
+  # the ingress's TTFT split lines: where the time to first token went (ingress, Router, engine)
+  grep -o "ingress: TTFT split.*" $OUT/serve_$mode.log | cut -c1-300 > $OUT/ttft_split_$mode.txt
   kill $server; wait $server 2>/dev/null; ray stop --force > /dev/null 2>&1; sleep 2
 done
 python3 - "$OUT" <<'PY'
-import json, sys
+import json, os, sys
 out = sys.argv[1]
-r = {m: json.loads(open(f"{out}/gsp_{m}.jsonl").read().splitlines()[-1]) for m in ("on", "off")}
+r = {m: json.loads(open(f"{out}/gsp_{m}.jsonl").read().splitlines()[-1]) for m in ("on", "off")
+     if os.path.exists(f"{out}/gsp_{m}.jsonl")}
+if len(r) < 2:           # MODES=on (or off) alone: that lifetime's numbers, no ratio
+    for m, row in r.items():
+        print(f"cache {m}: hit rate {row.get('prefix_cache_hit_rate') or 0:.3f}, mean TTFT {row['mean_ttft_ms']:.1f} ms, "
+              f"median {row['median_ttft_ms']:.1f}, min {row['min_ttft_ms']:.1f}, output {row['output_throughput']:.1f} tok/s")
+    sys.exit(0)
 def total(name):
     return sum(float(line.rsplit(" ", 1)[1]) for line in open(f"{out}/stats_on.prom") if line.startswith(name))
 print(f"prefix cache hit rate (on), usage.cached_tokens: {r['on'].get('prefix_cache_hit_rate') or 0:.3f}  "
@@ -44,7 +52,9 @@ for k in ("mean_ttft_ms", "median_ttft_ms", "mean_e2e_latency_ms", "output_throu
     if a and b:
         print(f"{k:>22}: on {a:10.2f}  off {b:10.2f}  off/on {b / a:6.2f}")
 PY
-for mode in on off; do
+for mode in ${MODES:-on off}; do
   echo "-- engine stats lines, cache $mode (TTFT in the engine vs the client's above)"
   tail -4 $OUT/stats_lines_$mode.txt
+  echo "-- the ingress's TTFT split, cache $mode"
+  tail -6 $OUT/ttft_split_$mode.txt
 done

@@ -32,6 +32,8 @@ class TokenDelta:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Where the first token's time went, set on its way out (serve/ttft_split.py): seconds per part
+    ttft_parts: dict[str, float] | None = None
 
 
 @dataclass
@@ -80,4 +82,5 @@ def merge_deltas(a: TokenDelta, b: TokenDelta) -> TokenDelta:
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
         error=b.error, error_type=b.error_type, arrival_time=a.arrival_time,
         first_scheduled_time=a.first_scheduled_time if a.first_scheduled_time is not None else b.first_scheduled_time,
-        first_token_time=a.first_token_time if a.first_token_time is not None else b.first_token_time)
+        first_token_time=a.first_token_time if a.first_token_time is not None else b.first_token_time,
+        ttft_parts=a.ttft_parts if a.ttft_parts is not None else b.ttft_parts)

@@ -6,6 +6,7 @@ they become in-stream errors. `close()` is idempotent and synchronous, safe in `
 cancellation: it cancels the pumps and aborts every unfinished sub-request on the Router.
 """
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -53,6 +54,7 @@ class SubRequest:
     gen: Any = None
     task: Optional[asyncio.Task] = None
     started: bool = False           # at least one delta received
+    called_at: float = 0.0          # monotonic: when the Router call went out
     finished: bool = False          # the router reported finished (nothing to abort)
     # accumulation
     text: str = ""
@@ -95,8 +97,10 @@ class Fanout:
     or `delta=None` when a stream ended without a finished delta).
     """
 
-    def __init__(self, router, subs: list[SubRequest], abort: Callable[[str], None]):
+    def __init__(self, router, subs: list[SubRequest], abort: Callable[[str], None],
+                 on_first: Optional[Callable[[SubRequest, TokenDelta], None]] = None):
         self.router = router
+        self.on_first = on_first        # on_first(sub, delta): a sub-request's first delta arrived
         self.abort = abort              # abort(request_id): fire-and-forget abort on the Router
         self.subs = subs
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -107,12 +111,15 @@ class Fanout:
     def start(self) -> None:
         handle = self.router.options(stream=True)
         for s in self.subs:
+            s.called_at = time.monotonic()
             s.gen = handle.generate.remote(s.rid, s.prompt_ids, s.params)
             s.task = asyncio.get_running_loop().create_task(self._pump(s))
 
     async def _pump(self, s: SubRequest) -> None:
         try:
             async for d in s.gen:
+                if not s.started and self.on_first is not None and carries_tokens(d):
+                    self.on_first(s, d)
                 s.started = True
                 if d.finished:
                     s.finished = True

@@ -97,6 +97,8 @@ from glm_ray.serve.responses import (
     sse,
 )
 from glm_ray.serve.tool_grammar import glm_tool_call_structured_outputs
+from glm_ray.serve.ttft_split import TTFTSplit
+from glm_ray.serve.ttft_split import split as split_ttft
 
 logger = logging.getLogger("glm_ray.serve.ingress")
 
@@ -231,6 +233,7 @@ class OpenAIIngress:
         self._openapi: Optional[dict] = None
         self._background: set = set()
         self._created = int(time.time())
+        self._ttft = TTFTSplit(envs.LOG_STATS_INTERVAL_S.get())
 
     def _load_chat_template(self, chat_template: Optional[str]) -> Optional[str]:
         if chat_template:
@@ -399,10 +402,10 @@ class OpenAIIngress:
         return req, await self._info()
 
     async def _generate(self, req, base_id: str, prompts: list[tuple[Optional[str], list[int]]],
-                        params: list[SamplingParams], render_stream, render_full):
+                        params: list[SamplingParams], render_stream, render_full, received: float):
         """Fan the choices out to the Router, then answer with SSE (`stream: true`) or one JSON body;
         however the response ends, unfinished sub-requests are aborted."""
-        fan = await self._start(self._make_subs(base_id, prompts, params))
+        fan = await self._start(self._make_subs(base_id, prompts, params), received)
         prompt_lens = [len(ids) for _, ids in prompts]
         if req.stream:
             return EventStream(render_stream(req, base_id, fan, prompt_lens), fan.close)
@@ -411,8 +414,10 @@ class OpenAIIngress:
         finally:
             fan.close()
 
-    async def _start(self, subs: list[SubRequest]) -> Fanout:
-        fan = Fanout(self.router, subs, self._abort_in_background)
+    async def _start(self, subs: list[SubRequest], received: float) -> Fanout:
+        def on_first(s: SubRequest, d) -> None:     # the TTFT split line (serve/ttft_split.py)
+            self._ttft.add(split_ttft(received, s.called_at, time.monotonic(), d.ttft_parts))
+        fan = Fanout(self.router, subs, self._abort_in_background, on_first)
         try:
             fan.start()
             await fan.prelude()
@@ -516,12 +521,13 @@ class OpenAIIngress:
     @app.post("/v1/completions")
     @openai_errors("completion", auth=True)
     async def completions(self, request: Request):
+        received = time.monotonic()
         req, info = await self._parse(request, CompletionRequest)
         max_model_len = int(info["max_model_len"])
         prompts = await self._completion_prompts(req, int(info.get("vocab_size") or 1 << 31))
         params = [self._params(req, len(ids), max_model_len, "prompt") for _, ids in prompts]
         return await self._generate(req, random_id("cmpl"), prompts, params, self._completion_stream,
-                                    self._completion_full)
+                                    self._completion_full, received)
 
     def _echo_text(self, s: SubRequest) -> str:
         if s.prompt_text is not None:
@@ -621,6 +627,7 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions")
     @openai_errors("chat", auth=True)
     async def chat_completions(self, request: Request):
+        received = time.monotonic()
         req, info = await self._parse(request, ChatCompletionRequest)
         tool_choice = req.tool_choice_spec()
         ids, text = await self._chat_prompt(req)
@@ -631,7 +638,7 @@ class OpenAIIngress:
                                        tool_choice)
         return await self._generate(req, random_id("chatcmpl"), [(None, ids)], [sp],
                                     functools.partial(self._chat_stream, new_parser=new_parser),
-                                    functools.partial(self._chat_full, new_parser=new_parser))
+                                    functools.partial(self._chat_full, new_parser=new_parser), received)
 
     async def _chat_full(self, req: ChatCompletionRequest, base_id: str, fan: Fanout,
                          prompt_lens: list[int], new_parser) -> JSONResponse:

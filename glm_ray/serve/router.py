@@ -186,8 +186,11 @@ class Router:
                 continue
             if st.first is None:
                 st.first = now
-                queue_s = (d.first_scheduled_time or d.arrival_time) - d.arrival_time
-                m.on_first_token(now - st.arrival, max(queue_s, 0.0))
+                queue_s = max((d.first_scheduled_time or d.arrival_time) - d.arrival_time, 0.0)
+                m.on_first_token(now - st.arrival, queue_s)
+                d.ttft_parts = {"router": now - st.arrival, "queued": queue_s}     # serve/ttft_split.py
+                if d.first_token_time is not None:
+                    d.ttft_parts["engine"] = d.first_token_time - d.arrival_time
             else:
                 itl.append(now - st.last)
             st.last = now

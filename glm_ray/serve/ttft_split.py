@@ -1,0 +1,74 @@
+"""Where a request's time to first token goes on its way through the app: the ingress's periodic split line.
+
+Each process measures only its own clock (the ingress, the Router and the engine may run on different
+hosts), and the first token's delta carries the inner parts out (`TokenDelta.ttft_parts`, seconds): the
+engine's arrival -> first token (and its queued part), set from the engine's own timestamps, and the
+Router's generate() entry -> first delta there. The ingress adds its own and logs, every
+`GLM_RAY_LOG_STATS_INTERVAL_S` seconds with traffic, the medians of
+
+    ingress: TTFT split over 32 requests (median ms): in the ingress before the Router call 1.2 | ingress <->
+    Router hops 3.4 | Router <-> engine hops 20.1 | in the engine 125.3 (queued 0.2) | total at the ingress 150.0
+
+    before   the ingress handler's start -> the Router call (parse, tokenize, sampling parameters)
+    ingress  ingress <-> Router: Serve's routing of the call + the first item's way back
+    router   Router <-> engine: the add reaching the engine's loop + the step's output reaching the Router
+    engine   the engine's arrival -> first token (queued: -> first scheduled)
+    total    the ingress handler's start -> the first delta at the ingress (= the sum of the four)
+
+A client's TTFT minus `total` is the HTTP side (Serve's proxy, the network, the client). This is how an
+operator tells a slow prefill (engine) from a slow path around it; the engine's own stats line
+(engine/stats_log.py) gives the steps behind the engine part.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+# Serve's replica logger: its handlers reach the replica's log file and the driver's stderr, where a
+# glm_ray.* logger's INFO lines in a Serve replica would not (the root logger there stays at WARNING)
+logger = logging.getLogger("ray.serve")
+
+PARTS = ("before", "ingress", "router", "engine", "queued", "total")
+
+
+def split(t_received: float, t_call: float, t_first: float, inner: dict[str, float] | None) -> dict[str, float]:
+    """One request's parts (seconds) from the ingress's monotonic times (handler start, Router call, first delta)
+    and the inner parts the first delta carried ({"router": s, "engine": s, "queued": s}, each optional)."""
+    inner = inner or {}
+    total, at_router = t_first - t_received, t_first - t_call
+    router_s = min(inner.get("router", 0.0), at_router)        # no Router part: all of it is the hop
+    engine_s = min(inner.get("engine", 0.0), router_s)
+    return {"before": t_call - t_received, "ingress": max(at_router - router_s, 0.0),
+            "router": max(router_s - engine_s, 0.0), "engine": engine_s, "queued": inner.get("queued", 0.0),
+            "total": total}
+
+
+class TTFTSplit:
+    """Collects the parts per first token (`add`) and logs the medians line at most once per interval."""
+
+    def __init__(self, interval_s: float, clock=time.monotonic):
+        self.interval_s, self.clock = interval_s, clock
+        self._since = clock()
+        self._rows: list[dict[str, float]] = []
+
+    def add(self, parts: dict[str, float]) -> str | None:
+        """Record one request's parts; returns (and logs) the line when the interval is over."""
+        if self.interval_s <= 0:
+            return None
+        self._rows.append(parts)
+        now = self.clock()
+        if now - self._since < self.interval_s:
+            return None
+        line = self.line(self._rows)
+        logger.info("%s", line)
+        self._since, self._rows = now, []
+        return line
+
+    @staticmethod
+    def line(rows: list[dict[str, float]]) -> str:
+        med = {k: 1e3 * statistics.median(r[k] for r in rows) for k in PARTS}
+        return (f"ingress: TTFT split over {len(rows)} requests (median ms): in the ingress before the Router "
+                f"call {med['before']:.1f} | ingress <-> Router hops {med['ingress']:.1f} | Router <-> engine "
+                f"hops {med['router']:.1f} | in the engine {med['engine']:.1f} (queued {med['queued']:.1f}) | "
+                f"total at the ingress {med['total']:.1f}")

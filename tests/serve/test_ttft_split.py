@@ -1,0 +1,40 @@
+"""The ingress's TTFT split (serve/ttft_split.py): each part from its own process's clock, the four parts
+summing to the total at the ingress, and the periodic line's medians."""
+from glm_ray.engine.outputs import TokenDelta, merge_deltas
+from glm_ray.serve.ttft_split import TTFTSplit, split
+
+
+def test_parts_sum_to_the_total():
+    # ingress: handler start 10.000, Router call 10.004, first delta 10.200 (its clock); the Router saw 0.180
+    # from its generate() entry to the first delta, the engine 0.150 from arrival to the first token
+    p = split(10.000, 10.004, 10.200, {"router": 0.180, "engine": 0.150, "queued": 0.010})
+    assert abs(p["before"] - 0.004) < 1e-9 and abs(p["ingress"] - 0.016) < 1e-9
+    assert abs(p["router"] - 0.030) < 1e-9 and abs(p["engine"] - 0.150) < 1e-9 and p["queued"] == 0.010
+    assert abs(p["before"] + p["ingress"] + p["router"] + p["engine"] - p["total"]) < 1e-9
+
+
+def test_without_inner_parts_the_router_side_is_one_hop():
+    # a delta that carried no parts (e.g. an older Router): all of Router call -> first delta is the hop
+    p = split(1.0, 1.5, 3.0, None)
+    assert p["ingress"] == 1.5 and p["router"] == 0.0 and p["engine"] == 0.0 and p["total"] == 2.0
+
+
+def test_line_once_per_interval_with_medians():
+    t = [0.0]
+    s = TTFTSplit(5.0, clock=lambda: t[0])
+    rows = [split(0.0, 0.001 * k, 0.1 * k, {"router": 0.05 * k, "engine": 0.04 * k}) for k in (1, 2, 3)]
+    t[0] = 1.0
+    assert s.add(rows[0]) is None and s.add(rows[1]) is None      # inside the interval: collected
+    t[0] = 6.0
+    line = s.add(rows[2])
+    assert line.startswith("ingress: TTFT split over 3 requests")
+    assert "in the engine 80.0" in line and "total at the ingress 200.0" in line   # medians: k = 2
+    assert s.add(rows[0]) is None                                                 # a new window
+    assert TTFTSplit(0.0).add(rows[0]) is None                                    # 0 = off
+
+
+def test_parts_survive_a_merged_backlog():
+    """A consumer that fell behind takes its first token merged with the next: the parts stay."""
+    a = TokenDelta("r", [5], ttft_parts={"router": 0.2, "engine": 0.1})
+    b = TokenDelta("r", [6])
+    assert merge_deltas(a, b).ttft_parts == {"router": 0.2, "engine": 0.1}
