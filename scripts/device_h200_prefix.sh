@@ -6,7 +6,7 @@
 #      128 tokens, output 128, C=16), with the engine's stats lines and the ingress's TTFT split lines
 #   2. bench.affinity: two Router replicas on the one GPU (gpus_per_rank 0.5, 20 GiB KV cache each),
 #      prefix_affinity vs power_of_two, one app at a time (four replicas do not fit), the same workload at C=32
-# AB=0 / AFF=0 skip a part. Results: $OUT/summary.txt and $OUT/runs.tgz (the runs' files).
+# AB=0 / AFF=0 skip a part; AB_EXTRA adds serve flags to the prefix-cache lifetimes. Results: $OUT/summary.txt and $OUT/runs.tgz (the runs' files).
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt
 MDIR=$(python3 -c "from pathlib import Path; from glm_ray.bench.decode import model_dir_for; print(model_dir_for('glm5-flash-31b', 'fp8', Path('/tmp/models')))")
@@ -15,7 +15,7 @@ if [ "${AB:-1}" = 1 ]; then
   echo "== prefix cache ${MODES:-on} (prefix_cache_ab.sh)" >> $S
   mkdir -p /tmp/pc
   GLM_RAY_LOG_STATS_INTERVAL_S=5 OUT=/tmp/pc MODES=${MODES:-on} MODEL=$MDIR GLMRAY="python3 -m glm_ray.cli" \
-    EXTRA="--load-format dummy --device cuda" GSP="$GSP" C=16 timeout ${AB_LIM:-230} bash scripts/prefix_cache_ab.sh \
+    EXTRA="--load-format dummy --device cuda ${AB_EXTRA:-}" GSP="$GSP" C=16 timeout ${AB_LIM:-230} bash scripts/prefix_cache_ab.sh \
     > $OUT/ab.txt 2>&1; echo "ab rc=$?" >> $OUT/ab.txt
   cat $OUT/ab.txt >> $S
   ray stop --force > /dev/null 2>&1

@@ -97,7 +97,7 @@ from glm_ray.serve.responses import (
     sse,
 )
 from glm_ray.serve.tool_grammar import glm_tool_call_structured_outputs
-from glm_ray.serve.ttft_split import TTFTSplit
+from glm_ray.serve.ttft_split import LoopLag, TTFTSplit
 from glm_ray.serve.ttft_split import split as split_ttft
 
 logger = logging.getLogger("glm_ray.serve.ingress")
@@ -233,7 +233,8 @@ class OpenAIIngress:
         self._openapi: Optional[dict] = None
         self._background: set = set()
         self._created = int(time.time())
-        self._ttft = TTFTSplit(envs.LOG_STATS_INTERVAL_S.get())
+        self._loop_lag = LoopLag()
+        self._ttft = TTFTSplit(envs.LOG_STATS_INTERVAL_S.get(), lag=self._loop_lag)
 
     def _load_chat_template(self, chat_template: Optional[str]) -> Optional[str]:
         if chat_template:
@@ -415,6 +416,8 @@ class OpenAIIngress:
             fan.close()
 
     async def _start(self, subs: list[SubRequest], received: float) -> Fanout:
+        if self._ttft.interval_s > 0:
+            self._loop_lag.start()
         def on_first(s: SubRequest, d) -> None:     # the TTFT split line (serve/ttft_split.py)
             self._ttft.add(split_ttft(received, s.called_at, time.monotonic(), d.ttft_parts))
         fan = Fanout(self.router, subs, self._abort_in_background, on_first)

@@ -15,6 +15,7 @@ import time
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from glm_ray import envs
 from glm_ray.config import make_engine_config
 from glm_ray.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, request_failure
 from glm_ray.engine.outputs import TokenDelta, carries_tokens, merge_deltas
@@ -24,6 +25,8 @@ from glm_ray.serve.args import ServeArgs
 from glm_ray.serve.engine_client import LocalEngine, RemoteEngine
 from glm_ray.serve.engine_host import StepBatch
 from glm_ray.serve.metrics import EngineMetrics
+from glm_ray.serve.ttft_split import LoopLag
+from glm_ray.serve.ttft_split import logger as split_logger
 
 logger = logging.getLogger("glm_ray.serve.router")
 # What clients see once a rank is lost (the cause goes to the log): Serve replaces the replica.
@@ -84,8 +87,24 @@ class Router:
         self._closing = False
         self._loop_task = asyncio.get_event_loop().create_task(self._run())
         self._gauge_task = asyncio.get_event_loop().create_task(self.metrics.keep_gauges_fresh())
+        self._lag_task = asyncio.get_event_loop().create_task(self._log_loop_lag())
         logger.info("Router ready: %s tp=%d fp8_proj=%s orchestration=%s", a.model_name(), a.tp, a.fp8_proj_gemm,
                     self.engine.orchestration)
+
+    async def _log_loop_lag(self) -> None:
+        """Every GLM_RAY_LOG_STATS_INTERVAL_S while streams are open: how late this loop's timers fire (the loop
+        that fans each step's outputs out to the streams; serve/ttft_split.py)."""
+        interval = envs.LOG_STATS_INTERVAL_S.get()
+        if interval <= 0:
+            return
+        lag = LoopLag()
+        lag.start()
+        while True:
+            await asyncio.sleep(interval)
+            if self._streams:
+                split_logger.info("router: event-loop lag %s, %d streams open", lag.take(), len(self._streams))
+            else:
+                lag.take()
 
     # ---- API used by the ingress --------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):

@@ -15,12 +15,17 @@ Router's generate() entry -> first delta there. The ingress adds its own and log
     engine   the engine's arrival -> first token (queued: -> first scheduled)
     total    the ingress handler's start -> the first delta at the ingress (= the sum of the four)
 
+plus the ingress's event-loop lag over the window (`LoopLag`: how late a 20 ms timer fires, p50 / max): a busy
+loop delays every hop through it by about that much. The Router logs its own loop lag on the same interval
+("router: event-loop lag ..."), where the engine's step outputs are fanned out to the streams.
+
 A client's TTFT minus `total` is the HTTP side (Serve's proxy, the network, the client). This is how an
 operator tells a slow prefill (engine) from a slow path around it; the engine's own stats line
 (engine/stats_log.py) gives the steps behind the engine part.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import statistics
 import time
@@ -44,11 +49,37 @@ def split(t_received: float, t_call: float, t_first: float, inner: dict[str, flo
             "total": total}
 
 
+class LoopLag:
+    """How late a `period_s` timer fires on the running event loop (seconds), collected until `take()`.
+    `start()` from inside the loop; the probe costs one wake-up per period."""
+
+    def __init__(self, period_s: float = 0.02):
+        self.period_s = period_s
+        self.samples: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._probe())
+
+    async def _probe(self) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(self.period_s)
+            self.samples.append(max(time.monotonic() - t - self.period_s, 0.0))
+            del self.samples[:-4096]                                   # bounded between takes
+
+    def take(self) -> str:
+        """'p50 X / max Y ms' of the samples since the last take (and forget them); '-' when none."""
+        xs, self.samples = sorted(self.samples), []
+        return f"p50 {1e3 * xs[len(xs) // 2]:.1f} / max {1e3 * xs[-1]:.1f} ms" if xs else "-"
+
+
 class TTFTSplit:
     """Collects the parts per first token (`add`) and logs the medians line at most once per interval."""
 
-    def __init__(self, interval_s: float, clock=time.monotonic):
-        self.interval_s, self.clock = interval_s, clock
+    def __init__(self, interval_s: float, clock=time.monotonic, lag: LoopLag | None = None):
+        self.interval_s, self.clock, self.lag = interval_s, clock, lag
         self._since = clock()
         self._rows: list[dict[str, float]] = []
 
@@ -61,6 +92,8 @@ class TTFTSplit:
         if now - self._since < self.interval_s:
             return None
         line = self.line(self._rows)
+        if self.lag is not None:
+            line += f" | event-loop lag {self.lag.take()}"
         logger.info("%s", line)
         self._since, self._rows = now, []
         return line

@@ -38,3 +38,23 @@ def test_parts_survive_a_merged_backlog():
     a = TokenDelta("r", [5], ttft_parts={"router": 0.2, "engine": 0.1})
     b = TokenDelta("r", [6])
     assert merge_deltas(a, b).ttft_parts == {"router": 0.2, "engine": 0.1}
+
+
+def test_loop_lag_sees_a_blocked_loop():
+    """A callback that holds the loop for 80 ms makes the 10 ms timer fire ~80 ms late."""
+    import asyncio
+    import time
+
+    from glm_ray.serve.ttft_split import LoopLag
+
+    async def main():
+        lag = LoopLag(0.01)
+        lag.start()
+        await asyncio.sleep(0.05)
+        idle = lag.take()
+        time.sleep(0.08)                          # the loop is blocked
+        await asyncio.sleep(0.03)
+        return idle, max(lag.samples)
+
+    idle, worst = asyncio.run(main())
+    assert idle.startswith("p50 ") and worst > 0.05, (idle, worst)
