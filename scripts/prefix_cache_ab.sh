@@ -27,7 +27,7 @@ for mode in ${MODES:-on off}; do
   # the engine's stats lines: its own TTFT (arrival at the engine -> first token) beside the client's
   grep -o "engine: prompt.*" $OUT/serve_$mode.log | grep -v "generation 0.0 tok/s" | cut -c1-420 > $OUT/stats_lines_$mode.txt
   # the ingress's TTFT split lines: where the time to first token went (ingress, Router, engine)
-  grep -o "ingress: TTFT split.*" $OUT/serve_$mode.log | cut -c1-300 > $OUT/ttft_split_$mode.txt
+  grep -o "ingress: TTFT split.*\|router: event-loop lag.*" $OUT/serve_$mode.log | cut -c1-300 > $OUT/ttft_split_$mode.txt
   kill $server; wait $server 2>/dev/null; ray stop --force > /dev/null 2>&1; sleep 2
 done
 python3 - "$OUT" <<'PY'
@@ -56,5 +56,5 @@ for mode in ${MODES:-on off}; do
   echo "-- engine stats lines, cache $mode (TTFT in the engine vs the client's above)"
   tail -4 $OUT/stats_lines_$mode.txt
   echo "-- the ingress's TTFT split, cache $mode"
-  tail -6 $OUT/ttft_split_$mode.txt
+  tail -12 $OUT/ttft_split_$mode.txt
 done
