@@ -49,8 +49,9 @@ if q:     # Ray's metrics export (absent where the metrics agent does not run, e
     print(f"prefix cache hit rate (on), metrics incl. the warm-up: {h / q:.3f}  (hits {h:.0f} / queries {q:.0f})")
 for k in ("mean_ttft_ms", "median_ttft_ms", "mean_e2e_latency_ms", "output_throughput", "request_throughput"):
     a, b = r["on"].get(k), r["off"].get(k)
-    if a and b:
-        print(f"{k:>22}: on {a:10.2f}  off {b:10.2f}  off/on {b / a:6.2f}")
+    if a and b:     # latencies: off/on; throughputs: on/off (both > 1 when the cache helps)
+        ratio = f"on/off {a / b:6.2f}" if k.endswith("throughput") else f"off/on {b / a:6.2f}"
+        print(f"{k:>22}: on {a:10.2f}  off {b:10.2f}  {ratio}")
 PY
 for mode in ${MODES:-on off}; do
   echo "-- engine stats lines, cache $mode (TTFT in the engine vs the client's above)"
