@@ -50,6 +50,7 @@ class LocalEngine:
         self.executor = RayWorkerGroup(cfg, name_prefix=name_prefix)
         self.engine = EngineCore(cfg, self.executor, load_tokenizer(model_path))
         self.max_model_len, self.vocab_size = self.engine.max_model_len, self.engine.model_cfg.vocab_size
+        self.same_clock = True          # the engine's timestamps are this process's monotonic clock
         self.admission = Admission()
         self.stats_log = StatsLogger(self.engine, envs.LOG_STATS_INTERVAL_S.get())
         self._wakeup = asyncio.Event()
@@ -129,6 +130,8 @@ class RemoteEngine:
         self.host = self.group.actors[0]
         info = ray.get(self.host.start.remote(self.group.num_blocks, model_path))
         self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
+        # CLOCK_MONOTONIC is one clock per host: the engine's timestamps compare with ours on the same node
+        self.same_clock = info.get("node_id") == ray.get_runtime_context().get_node_id()
         self.model_cfg = self.group.model_cfg
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:

@@ -151,6 +151,7 @@ class EngineHost(RankActor):
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
         return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.model_cfg.vocab_size,
+                "node_id": ray.get_runtime_context().get_node_id(),
                 "num_blocks": num_blocks}
 
     # ---- calls from the Router --------------------------------------------------------------

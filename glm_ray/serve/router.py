@@ -210,6 +210,9 @@ class Router:
                 d.ttft_parts = {"router": now - st.arrival, "queued": queue_s}     # serve/ttft_split.py
                 if d.first_token_time is not None:
                     d.ttft_parts["engine"] = d.first_token_time - d.arrival_time
+                    if self.engine.same_clock:     # the two legs apart: the add's way in, the token's way out
+                        d.ttft_parts["add"] = d.arrival_time - st.arrival
+                        d.ttft_parts["out"] = now - d.first_token_time
             else:
                 itl.append(now - st.last)
             st.last = now

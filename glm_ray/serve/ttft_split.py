@@ -7,11 +7,15 @@ Router's generate() entry -> first delta there. The ingress adds its own and log
 `GLM_RAY_LOG_STATS_INTERVAL_S` seconds with traffic, the medians of
 
     ingress: TTFT split over 32 requests (median ms): in the ingress before the Router call 1.2 | ingress <->
-    Router hops 3.4 | Router <-> engine hops 20.1 | in the engine 125.3 (queued 0.2) | total at the ingress 150.0
+    Router hops 3.4 | Router <-> engine hops 20.1 (add 12.0, out 8.0) | in the engine 125.3 (queued 0.2) |
+    total at the ingress 150.0
 
     before   the ingress handler's start -> the Router call (parse, tokenize, sampling parameters)
     ingress  ingress <-> Router: Serve's routing of the call + the first item's way back
-    router   Router <-> engine: the add reaching the engine's loop + the step's output reaching the Router
+    router   Router <-> engine: the add reaching the engine's loop + the step's output reaching the Router;
+             when the engine runs on the Router's host (one monotonic clock) the two legs apart: "add" (the
+             Router's generate() entry -> the engine's arrival, incl. the wait for the loop's next iteration)
+             and "out" (the first token -> the Router holding its step output)
     engine   the engine's arrival -> first token (queued: -> first scheduled)
     total    the ingress handler's start -> the first delta at the ingress (= the sum of the four)
 
@@ -44,9 +48,12 @@ def split(t_received: float, t_call: float, t_first: float, inner: dict[str, flo
     total, at_router = t_first - t_received, t_first - t_call
     router_s = min(inner.get("router", 0.0), at_router)        # no Router part: all of it is the hop
     engine_s = min(inner.get("engine", 0.0), router_s)
-    return {"before": t_call - t_received, "ingress": max(at_router - router_s, 0.0),
-            "router": max(router_s - engine_s, 0.0), "engine": engine_s, "queued": inner.get("queued", 0.0),
-            "total": total}
+    parts = {"before": t_call - t_received, "ingress": max(at_router - router_s, 0.0),
+             "router": max(router_s - engine_s, 0.0), "engine": engine_s, "queued": inner.get("queued", 0.0),
+             "total": total}
+    if "add" in inner and "out" in inner:
+        parts["add"], parts["out"] = inner["add"], inner["out"]
+    return parts
 
 
 class LoopLag:
@@ -101,7 +108,12 @@ class TTFTSplit:
     @staticmethod
     def line(rows: list[dict[str, float]]) -> str:
         med = {k: 1e3 * statistics.median(r[k] for r in rows) for k in PARTS}
+        legs = [r for r in rows if "add" in r]
+        router = f"{med['router']:.1f}"
+        if legs:
+            router += (f" (add {1e3 * statistics.median(r['add'] for r in legs):.1f}, "
+                       f"out {1e3 * statistics.median(r['out'] for r in legs):.1f})")
         return (f"ingress: TTFT split over {len(rows)} requests (median ms): in the ingress before the Router "
                 f"call {med['before']:.1f} | ingress <-> Router hops {med['ingress']:.1f} | Router <-> engine "
-                f"hops {med['router']:.1f} | in the engine {med['engine']:.1f} (queued {med['queued']:.1f}) | "
+                f"hops {router} | in the engine {med['engine']:.1f} (queued {med['queued']:.1f}) | "
                 f"total at the ingress {med['total']:.1f}")

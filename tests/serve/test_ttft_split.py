@@ -58,3 +58,12 @@ def test_loop_lag_sees_a_blocked_loop():
 
     idle, worst = asyncio.run(main())
     assert idle.startswith("p50 ") and worst > 0.05, (idle, worst)
+
+
+def test_legs_when_the_engine_shares_the_routers_clock():
+    """Engine on the Router's host: the Router <-> engine part comes split into the add's way in and the
+    first token's way out."""
+    p = split(0.0, 0.01, 0.31, {"router": 0.28, "engine": 0.15, "add": 0.09, "out": 0.04})
+    assert abs(p["router"] - 0.13) < 1e-9 and (p["add"], p["out"]) == (0.09, 0.04)
+    line = TTFTSplit.line([p, split(0.0, 0.01, 0.2, {"router": 0.1, "engine": 0.05})])   # one row without legs
+    assert "Router <-> engine hops" in line and "(add 90.0, out 40.0)" in line
