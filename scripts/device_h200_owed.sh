@@ -7,8 +7,9 @@
 #   PART=prefill  bench.attention --mode prefill: the Triton MLA prefill vs its FLOP floor (#20 measure 1)
 #   PART=grammar  bench.structured on glm5-flash-31b FP8 dummy: 0/16/64 constrained of 64 (#21 measure)
 #   PART=indexer  bench.indexer --prefill: the prefill indexer (a row per query token) vs the torch reference (#20 item 2)
-#   PART=mixed    scripts/profile_step.py on a mixed step (15 decoding + one 2048-cached + 128-new request):
-#                 step times, top ops and the Triton compiles inside the profiled steps (#22's TTFT stall)
+#   PART=mixed    scripts/profile_step.py on a mixed step (15 decoding + one 2048-cached + 128-new request;
+#                 MIXED_BATCH=12 MIXED_JOIN=4: #22's served composition): step times with their host split, top
+#                 ops and the Triton compiles inside the profiled steps
 #   PART=orch     bench.orchestration, TP1 in-process loop, async, batch 1 and 64: step, device time (CUDA events)
 #                 and the device's idle gap between steps (#19's gap < 0.1 ms / orchestration <= 3%); no Ray needed
 #   PART=firstuse profile_step.py --log-compiles: a fresh 1024-token prompt joining one decode after start-up
@@ -57,9 +58,9 @@ if [ $PART = all ] || [ $PART = indexer ]; then
 fi
 if [ $PART = all ] || [ $PART = mixed ]; then
   echo "== profile_step.py mixed step (glm5-flash-31b fp8 dummy)" >> $S
-    timeout ${MIXED_LIM:-200} python3 scripts/profile_step.py $MDIR --load-format dummy --batch 15 --prefix 2048 \
-     --prefill 128 --kv-cache-gb 8 --rows 40 > $OUT/profile_mixed.txt 2>&1; echo "rc=$?" >> $S
-  grep -E "^steps:|launches|Triton compiles|^ *[0-9?.]+ s  " $OUT/profile_mixed.txt | sort -u | head -30 >> $S
+    timeout ${MIXED_LIM:-200} python3 scripts/profile_step.py $MDIR --load-format dummy --batch ${MIXED_BATCH:-15} --prefix 2048 \
+     --prefill 128 --joining ${MIXED_JOIN:-1} --kv-cache-gb 8 --rows 40 > $OUT/profile_mixed.txt 2>&1; echo "rc=$?" >> $S
+  grep -E "^steps:|^  step of|launches|Triton compiles|^ *[0-9?.]+ s  " $OUT/profile_mixed.txt | head -30 >> $S
 fi
 if [ $PART = all ] || [ $PART = orch ]; then
   echo "== bench.orchestration tp1 local async (glm5-flash-31b fp8 dummy)" >> $S
