@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The H200 measurements the open issues still owe, in one device call (<= 600 s each PART):
-#   PART=tests    GPU tests of code changed since its last GPU run (session 22): the rope_inplace rewrite (contiguous
-#                 loads), the chunked MoE alignment (now from 513 pairs), the indexer's shared split-dot helpers, the
-#                 MLA prefill without the gather walk, then the engine paths around them (decode graphs, piecewise
-#                 graphs with fused q_a/kv_a, GLM-5.3-Flash end to end)
+#   PART=tests    GPU tests (TESTS= to choose): rope, MoE alignment, indexer, MLA prefill, decode graphs, piecewise
+#                 graphs, GLM-5.3-Flash end to end — all passed at 43c9a3d (session 23) but the removed timing
+#                 comparison; name the files of kernels changed since in TESTS
 #   PART=prefill  bench.attention --mode prefill: the Triton MLA prefill vs its FLOP floor (#20 measure 1)
 #   PART=grammar  bench.structured on glm5-flash-31b FP8 dummy: 0/16/64 constrained of 64 (#21 measure)
 #   PART=indexer  bench.indexer --prefill: the prefill indexer (a row per query token) vs the torch reference (#20 item 2)
