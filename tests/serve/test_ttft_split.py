@@ -67,3 +67,59 @@ def test_legs_when_the_engine_shares_the_routers_clock():
     assert abs(p["router"] - 0.13) < 1e-9 and (p["add"], p["out"]) == (0.09, 0.04)
     line = TTFTSplit.line([p, split(0.0, 0.01, 0.2, {"router": 0.1, "engine": 0.05})])   # one row without legs
     assert "Router <-> engine hops" in line and "(add 90.0, out 40.0)" in line
+
+
+def test_router_stamps_the_first_delta_and_the_fanout_reports_it():
+    """Router._publish puts its parts on a stream's first delta only (engine timestamps from the delta, the
+    legs when the engine shares its clock); the ingress's Fanout hands that delta to on_first once."""
+    import asyncio
+    import time
+
+    from glm_ray.serve.fanout import Fanout, SubRequest
+    from glm_ray.serve.router import Router, _Stream
+
+    class _Metrics:
+        def on_first_token(self, *a): pass
+        def on_tokens(self, *a): pass
+        def on_request_finished(self, *a): pass
+        def on_error(self, *a): pass
+
+    class _Engine:
+        same_clock = True
+
+    r = Router.__new__(Router)
+    r.metrics, r.engine = _Metrics(), _Engine()
+    st = _Stream()
+    r._streams = {"r": st}
+    now = time.monotonic()
+    first = TokenDelta("r", [5], arrival_time=now - 0.3, first_scheduled_time=now - 0.29, first_token_time=now - 0.1)
+    r._publish([first])
+    second = TokenDelta("r", [6], arrival_time=now - 0.3)
+    r._publish([second])
+    p = first.ttft_parts
+    assert set(p) == {"router", "queued", "engine", "add", "out"} and second.ttft_parts is None
+    assert abs(p["engine"] - 0.2) < 1e-6 and abs(p["queued"] - 0.01) < 1e-6 and p["out"] >= 0.1
+    assert abs(p["router"] - (p["add"] + p["engine"] + p["out"])) < 1e-6     # one clock: the legs add up
+
+    class _Handle:                                   # the Router handle: a stream of the two deltas
+        def options(self, **kw): return self
+
+        @property
+        def generate(self): return self
+
+        def remote(self, *a):
+            async def gen():
+                yield first
+                yield TokenDelta("r", [6], finished=True, finish_reason="length")
+            return gen()
+
+    seen = []
+
+    async def run():
+        sub = SubRequest(index=0, prompt_idx=0, rid="r", prompt_ids=[1], params=None)
+        fan = Fanout(_Handle(), [sub], abort=lambda rid: None, on_first=lambda s, d: seen.append((s.called_at, d)))
+        fan.start()
+        async for _ in fan.deltas():
+            pass
+    asyncio.run(run())
+    assert len(seen) == 1 and seen[0][1] is first and seen[0][0] > 0
