@@ -100,7 +100,7 @@ def start(tmp: Path, extra_apps: list[dict], timeout: float = 600) -> Cluster:
     other = {flag: free_port() for flag in ("ray-client-server-port", "dashboard-agent-listen-port",
                                             "dashboard-agent-grpc-port", "runtime-env-agent-port",
                                             "node-manager-port", "object-manager-port")}
-    subprocess.run([_bin("ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+    r = subprocess.run([_bin("ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
                     # logical CPUs: every test app's placement group (~20: 1.5 per TP=1 Router replica,
                     # 2.5 per TP=2 one, 0.1 per ingress) plus room for a rolling update's new replica
                     # beside the draining old one
@@ -108,7 +108,9 @@ def start(tmp: Path, extra_apps: list[dict], timeout: float = 600) -> Cluster:
                     f"--dashboard-port={dash_port}", f"--metrics-export-port={metrics_port}",
                     "--object-store-memory=300000000", "--disable-usage-stats",
                     *(f"--{k}={v}" for k, v in other.items())],
-                   env=env, check=True, capture_output=True, text=True, timeout=180)
+                   env=env, capture_output=True, text=True, timeout=180)
+    if r.returncode:       # say why (a port taken by another process on the machine, a Ray already running, ...)
+        raise RuntimeError(f"ray start failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     env["RAY_ADDRESS"] = f"127.0.0.1:{gcs_port}"      # the Serve CLI and drivers talk to *this* cluster
     cluster = Cluster(f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash_port}", metrics_port, http_port, {}, env)
     try:
