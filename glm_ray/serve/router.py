@@ -205,9 +205,10 @@ class Router:
                 continue
             if st.first is None:
                 st.first = now
+                ttft_s = now - st.arrival
                 queue_s = max((d.first_scheduled_time or d.arrival_time) - d.arrival_time, 0.0)
-                m.on_first_token(now - st.arrival, queue_s)
-                d.ttft_parts = {"router": now - st.arrival, "queued": queue_s}     # serve/ttft_split.py
+                m.on_first_token(ttft_s, queue_s)
+                d.ttft_parts = {"router": ttft_s, "queued": queue_s}              # serve/ttft_split.py
                 if d.first_token_time is not None:
                     d.ttft_parts["engine"] = d.first_token_time - d.arrival_time
                     if self.engine.same_clock:     # the two legs apart: the add's way in, the token's way out
