@@ -14,6 +14,10 @@ step pays: no host launch cost, the in-graph gaps between launches included), L2
   backend  the backend's block_fp8_linear on the prepared weight: act_quant_fp8 + torch._scaled_mm
   triton   act_quant_fp8 + the Triton block-FP8 GEMM (dense_gemm_triton), as GLM_RAY_CUDA_FP8_GEMM=triton
   TB/s there = weight bytes (e4m3 + fp32 block scales) / time, with the ratio to the 4.2 TB/s copy ceiling.
+Small-M tile sweep (`--small-m-sweep`): the fused kernel's configs (BN x warps x split-K, split-K partials
+added by the last program or by a second launch) and the backend path at the glm5-flash-31b decode shapes,
+M in {1, 16, 64}, each timed as R back-to-back calls on R distinct weight copies (R x bytes >= 3 x L2) in one
+CUDA graph, per call: what a decode step pays (in-graph launch gaps included, weights from HBM).
 
 Printed per row: time (us, median of triton.testing.do_bench with an L2 flush between runs),
 achieved TFLOP/s and TB/s, and their ratio to the measured H200 ceilings (perf_anchors.md §3.1:
@@ -182,6 +186,82 @@ def bench_small_m(ck, ms, rows):
         torch.cuda.empty_cache()
 
 
+# glm5-flash-31b's decode-step linears, most bytes first (q_a + kv_a run as one fused GEMM in the engine)
+SWEEP_SHAPES = [("flash.o_proj", 2048, 8192), ("flash.q_b_proj", 8192, 768), ("flash.sh.gate_up", 3072, 2048),
+                ("flash.idx.wq_b", 4096, 768), ("flash.sh.down", 2048, 1536), ("flash.qkv_a", 1344, 2048),
+                ("flash.idx.wk", 128, 2048)]
+SWEEP_MS = [1, 16, 64]
+L2_BYTES = 50 * 2 ** 20                      # H100/H200
+
+
+def graph_per_call_ms(fns) -> float:
+    """Median device time per call of one CUDA-graph replay of every fn in fns, in order."""
+    for fn in fns[:2]:
+        fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in fns:
+            fn()
+    torch.cuda.synchronize()
+    return bench_ms(g.replay) / len(fns)
+
+
+def sweep_configs(fp8_small_m, m, n, k, num_sms):
+    """(label, config, reduce) candidates around the heuristic: BN x warps x split (auto/2, auto, 2 auto, 1)."""
+    auto = fp8_small_m.small_m_config(m, n, k, num_sms=num_sms)
+    seen, out = set(), [("auto", auto, "last"), ("auto/kernel-sum", auto, "kernel")]
+    bns = (32, 64, 128) if auto.block_m <= 16 else (64, 128)
+    warps = (4,) if auto.block_m <= 16 else (4, 8)
+    for bn in bns:
+        a = fp8_small_m.small_m_config(m, n, k, num_sms=num_sms, block_n=bn)
+        for split in sorted({max(1, a.split // 2), a.split, 2 * a.split, 4 * a.split, 1}):
+            c = fp8_small_m.small_m_config(m, n, k, num_sms=num_sms, block_n=bn, split_k=split)
+            for nw in warps:
+                cfg = fp8_small_m.SmallMConfig(c.block_m, bn, c.split, c.groups_per_split, nw, c.num_stages)
+                if cfg in seen or cfg == auto:
+                    continue
+                seen.add(cfg)
+                out.append((f"bn{bn}/w{nw}/s{cfg.split}", cfg, "last"))
+    return out
+
+
+def bench_small_m_sweep(ck, rows, deadline):
+    from glm_ray.kernels.cuda import fp8_small_m
+    from tests.kernels.cases import dense_fp8_case
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, n, k in SWEEP_SHAPES:
+        _, w, s = dense_fp8_case(1, n, k, device=DEV)
+        wv, sv, meta = ck.block_fp8_linear_prepare(w, s, (128, 128))
+        wbytes = n * k + 4 * s.numel()
+        reps = max(8, min(256, -(-3 * L2_BYTES // wbytes)))
+        copies = [(wv.clone(), sv.clone()) for _ in range(reps)]          # distinct weights: no L2 reuse
+        for m in SWEEP_MS:
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            cands = sweep_configs(fp8_small_m, m, n, k, num_sms)
+            res = {}
+            for label, cfg, red in cands:
+                if time.time() > deadline:
+                    print("sweep: out of time", flush=True)
+                    return
+                fns = [lambda a=a, b=b, cfg=cfg, red=red: fp8_small_m.block_fp8_linear_small_m(
+                    x, a, b, config=cfg, reduce=red) for a, b in copies]
+                res[label] = graph_per_call_ms(fns)
+                rows.append(row("sweep", name, label, m, res[label], 2.0 * m * n * k, wbytes, CEIL["fp8_tflops"],
+                                n=n, k=k, reps=reps, block_n=cfg.block_n, warps=cfg.num_warps, split=cfg.split,
+                                gps=cfg.groups_per_split, reduce=red))
+            fns = [lambda a=a, b=b: ck.block_fp8_linear(x, a, b, **meta) for a, b in copies]
+            res["backend"] = graph_per_call_ms(fns)
+            rows.append(row("sweep", name, "backend", m, res["backend"], 2.0 * m * n * k, wbytes,
+                            CEIL["fp8_tflops"], n=n, k=k, reps=reps))
+            best = min((v, lbl) for lbl, v in res.items())
+            print(f"BEST {name:16s} M={m:<3d} {best[1]:18s} {best[0] * 1e3:7.2f} us; auto "
+                  f"{res['auto'] * 1e3:7.2f} us (x{res['auto'] / best[0]:.2f}), kernel-sum "
+                  f"{res['auto/kernel-sum'] * 1e3:7.2f}, backend {res['backend'] * 1e3:7.2f}, floor "
+                  f"{wbytes / 4.2e12 * 1e6:6.2f} us", flush=True)
+        copies = None
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON output path")
@@ -189,6 +269,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-moe", action="store_true")
     ap.add_argument("--small-m", action="store_true",
                     help="only the decode-size block-FP8 table (M 1..64; --quick: M 1/8/64) instead of the above")
+    ap.add_argument("--small-m-sweep", action="store_true",
+                    help="only the fused small-M kernel's tile sweep at the glm5-flash-31b decode shapes")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="--small-m-sweep stops after this long")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device", file=sys.stderr)
@@ -208,7 +291,12 @@ def main(argv=None) -> int:
     print(json.dumps(info), flush=True)
     rows: list[dict] = []
     t0 = time.time()
-    if a.small_m:
+    if a.small_m_sweep:
+        if ck.tk is None:
+            print(f"bench_kernels --small-m-sweep: {ck.triton_error}", file=sys.stderr)
+            return 2
+        bench_small_m_sweep(ck, rows, t0 + a.budget_s)
+    elif a.small_m:
         if ck.tk is None:
             print(f"bench_kernels --small-m: {ck.triton_error}", file=sys.stderr)
             return 2

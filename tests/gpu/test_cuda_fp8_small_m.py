@@ -134,3 +134,30 @@ def test_small_m_cuda_graph_replay_equals_eager(mods, m, n, k):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_y, fn(x_new))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 2048, 8192), (1, 576, 2048), (16, 768, 2048), (64, 2048, 8192)],
+                         ids=["o_proj-M1", "kv_a-M1", "q_a-M16", "o_proj-M64"])
+def test_last_program_reduce_equals_the_sum_kernel_bit_for_bit(mods, m, n, k):
+    """reduce="last" (one launch; the last program of a column tile adds the partials after an acq_rel
+    counter) must give the bits of the two-launch reduction on every run: a memory-ordering bug shows as a
+    missing or stale partial in some run, so it runs 50 times eagerly and 50 graph replays, forced splits
+    included, and the counters must be back at 0."""
+    sm, _ = mods
+    x, w, s = dense_fp8_case(m, n, k, device=DEV)
+    for split_k in (None, 2, 7, 64):
+        cfg = sm.small_m_config(m, n, k, split_k=split_k)
+        if cfg.split == 1:
+            continue
+        want = sm.block_fp8_linear_small_m(x, w, s, split_k=split_k, reduce="kernel")
+        for _ in range(50):
+            assert torch.equal(sm.block_fp8_linear_small_m(x, w, s, split_k=split_k, reduce="last"), want), cfg
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_y = sm.block_fp8_linear_small_m(x, w, s, split_k=split_k, reduce="last")
+        for _ in range(50):
+            static_y.zero_()
+            g.replay()
+            assert torch.equal(static_y, want), cfg
+    torch.cuda.synchronize()
+    assert int(sm._counters[("cuda", x.device.index)].abs().sum()) == 0

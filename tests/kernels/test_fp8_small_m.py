@@ -113,3 +113,20 @@ def test_interp_strided_operands_out_dtype_and_determinism(sm):
     assert sm.block_fp8_linear_small_m(x[:0], w, s).shape == (0, n)
     with pytest.raises(AssertionError):
         sm.block_fp8_linear_small_m(torch.zeros(65, k, dtype=BF16), w, s)
+
+
+@pytest.mark.parametrize("m,n,k,split", [(1, 256, 512, 4), (5, 96, 640, 3), (33, 200, 384, 2)])
+def test_interp_last_program_reduces_like_the_sum_kernel(sm, m, n, k, split):
+    """reduce="last" (one launch: the last of a tile's programs adds the partials) gives the bits of the
+    two-launch "kernel" reduction, leaves the arrival counters at 0, and repeats bit for bit."""
+    x, w, s = dense_fp8_case(m, n, k, seed=split)
+    two = sm.block_fp8_linear_small_m(x, w, s, out_dtype=torch.float32, split_k=split, reduce="kernel")
+    one = sm.block_fp8_linear_small_m(x, w, s, out_dtype=torch.float32, split_k=split, reduce="last")
+    assert sm.small_m_config(m, n, k, split_k=split).split == split
+    assert torch.equal(one, two)
+    _check(one, x, w, s, False)
+    counters = sm._counters[("cpu", None)]
+    assert int(counters.abs().sum()) == 0
+    assert torch.equal(one, sm.block_fp8_linear_small_m(x, w, s, out_dtype=torch.float32, split_k=split))
+    with pytest.raises(AssertionError):
+        sm.block_fp8_linear_small_m(x, w, s, reduce="atomic")

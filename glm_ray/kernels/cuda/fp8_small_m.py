@@ -22,12 +22,21 @@ few rows, the GEMM is a GEMV whose time is reading the weight once. Here:
   numerics identical for every M. A CUDA-core GEMV would also have to widen every weight byte to fp32.
 * split-K: when cdiv(N, BN) programs cannot fill the GPU (N = 2048 at M = 1 is 32 programs for 132 SMs)
   the K groups are split into `split` contiguous ranges (grid axis 1); each split stores its fp32 partial
-  [split, M, N] and `_split_k_sum_kernel` adds the partials in split order and casts: deterministic
-  (bit-identical run to run, no atomics) at the price of a second tiny launch. `split` is normalized so
+  [split, M, N], and the partials are added in split order and cast: deterministic (bit-identical run
+  to run; the fp32 sum is p[0] + p[1] + ... whichever program finishes last). `split` is normalized so
   that no split is empty (`groups_per_split = cdiv(G, split)`, `split = cdiv(G, groups_per_split)`); the
   partial traffic (2 x split x M x N x 4 bytes, mostly L2) is capped at half the weight bytes.
-  (A single-pass "last program reduces" variant needs a device counter and cross-CTA memory ordering
-  that cannot be checked under the interpreter, so it is not used.)
+  Who adds them (`reduce=`): "last" (default) = in the same launch, by the last program of each column
+  tile to finish: every program stores its partial, then (CTA barrier, one acq_rel gpu-scope atomic)
+  increments the tile's arrival counter; the program that reads split - 1 loads the partials (L1
+  bypassed: `.cg`), adds them in split order, stores the output and resets the counter to 0 for the
+  next launch. The counters are a per-device int32 workspace allocated zeroed on the first eager call
+  (never inside a CUDA-graph capture: a capture without it falls back to "kernel"), shared by every
+  launch on the device: launches must not run concurrently on two streams (the engine runs one
+  forward stream). "kernel" = the second tiny launch `_split_k_sum_kernel` (same sum, same bits: the
+  reference the GPU test holds "last" to). The interpreter runs programs one after another, so the
+  counter logic runs there too (the last arrival is always pid_k = split - 1); the memory ordering is
+  what only the GPU test checks (repeated runs, bit-equal to "kernel").
 * the grid and every constexpr come from shapes (M, N, K, the SM count of the device): CUDA-graph
   capturable, no host syncs. K not a multiple of 128 and N not a multiple of BN are masked. The K loop
   is a constexpr trip count (`groups_per_split`): the interpreter cannot `range` over a runtime scalar
@@ -54,7 +63,9 @@ GROUP = 128                     # activation quant group = weight block (both 12
 DEFAULT_SMS = 132               # H100/H200 SXM; used off-GPU (interpreter) for the split heuristic
 PROGRAMS_PER_SM = 2             # split-K target: about this many programs per SM
 PARTIAL_BYTES_FRACTION = 0.5    # cap: split-K partial traffic <= this fraction of the weight bytes
-SUM_BLOCK = 256                 # elements per program of the split-K reduction
+SUM_BLOCK = 256                 # elements per program of the split-K reduction ("kernel")
+COUNTERS = 4096                 # arrival counters per device ("last"): column tiles of one launch
+REDUCE_MODES = ("last", "kernel")
 
 
 @dataclass(frozen=True)
@@ -111,12 +122,13 @@ def small_m_config(m: int, n: int, k: int, *, split_k: int | None = None, num_sm
 # --------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=['M'])   # sizes that change per step: no recompiles (cuda/__init__)
-def _fp8_small_m_kernel(x_ptr, w_ptr, ws_ptr, o_ptr, M, N, K, G,
-                        stride_xm, stride_wn, stride_wsn, stride_wsk, stride_os, stride_om, eps, fmax,
+def _fp8_small_m_kernel(x_ptr, w_ptr, ws_ptr, o_ptr, out_ptr, cnt_ptr, M, N, K, G,
+                        stride_xm, stride_wn, stride_wsn, stride_wsk, stride_os, stride_om, stride_outm, eps, fmax,
                         UE8M0: tl.constexpr, INTERP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        GPS: tl.constexpr):
+                        GPS: tl.constexpr, SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr):
     """o[pid_k, m, n] = sum over the K groups g of split pid_k of
-    dot(quant(x[m, g]), w[n, g]) * s_x[m, g] * w_scale[n // 128, g]   (fp32 accumulate)."""
+    dot(quant(x[m, g]), w[n, g]) * s_x[m, g] * w_scale[n // 128, g]   (fp32 accumulate);
+    LAST_REDUCES: the last of a column tile's SPLIT programs also writes out[m, n] = sum_k o[k, m, n]."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BM)
@@ -140,8 +152,20 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, ws_ptr, o_ptr, M, N, K, G,
             q = q.to(tl.float32)
             w = w.to(tl.float32)
         acc += tl.dot(q, w) * (s[:, None] * w_s)
+    tile_ok = row_ok[:, None] & n_ok[None, :]
     o_ptrs = o_ptr + pid_k * stride_os + rows[:, None] * stride_om + offs_n[None, :]
-    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=tile_ok)
+    if LAST_REDUCES:
+        tl.debug_barrier()                       # every thread's partial stored before the release below
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:                 # the tile's last program: all SPLIT partials are visible
+            p_ptrs = o_ptr + rows[:, None] * stride_om + offs_n[None, :]
+            tot = tl.load(p_ptrs, mask=tile_ok, other=0.0, cache_modifier=".cg")            # [BM, BN] fp32
+            for j in tl.static_range(1, SPLIT):
+                tot += tl.load(p_ptrs + j * stride_os, mask=tile_ok, other=0.0, cache_modifier=".cg")
+            out_ptrs = out_ptr + rows[:, None] * stride_outm + offs_n[None, :]
+            tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=tile_ok)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit(do_not_specialize=['MN'])   # sizes that change per step: no recompiles (cuda/__init__)
@@ -159,17 +183,36 @@ def _split_k_sum_kernel(p_ptr, o_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constex
 # launcher
 # --------------------------------------------------------------------------------------------
 
+_counters: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor | None:
+    """The device's zeroed int32 arrival counters for reduce="last" (each launch leaves them at 0), or
+    None while a CUDA graph is being captured before they exist (allocating them there would put a
+    memset into the graph and the buffer into its private pool)."""
+    key = (device.type, device.index)
+    buf = _counters.get(key)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
 def block_fp8_linear_small_m(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, *,
                              out_dtype: torch.dtype | None = None, act_ue8m0: bool = False,
-                             split_k: int | None = None, config: SmallMConfig | None = None) -> torch.Tensor:
-    """y [M, N] = quant_1x128(x) @ dequant(w)^T, one fused launch (two with split-K), for M <= 64.
+                             split_k: int | None = None, config: SmallMConfig | None = None,
+                             reduce: str = "last") -> torch.Tensor:
+    """y [M, N] = quant_1x128(x) @ dequant(w)^T in one fused launch, for M <= 64.
 
     x [M, K] bf16/fp16 (fp32 accepted), unit last stride (any row stride); w float8_e4m3fn [N, K] with
     unit last stride (any row stride: the padded corner views of `block_fp8_linear_prepare` work);
     w_scale_inv fp32 [ceil(N/128), ceil(K/128)] (any strides). out_dtype: default x.dtype.
-    `split_k` None = heuristic (see `small_m_config`); `config` overrides the whole tile config (tuning).
+    `split_k` None = heuristic (see `small_m_config`); `config` overrides the whole tile config (tuning);
+    `reduce` = who adds split-K partials: "last" program of each tile (one launch) or a second "kernel".
     """
     assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (tuple(x.shape), tuple(w.shape))
+    assert reduce in REDUCE_MODES, reduce
     m, k = x.shape
     n = w.shape[0]
     odt = out_dtype or x.dtype
@@ -186,19 +229,23 @@ def block_fp8_linear_small_m(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torc
     assert cfg.split * cfg.groups_per_split >= groups and GROUP % cfg.block_n == 0 and cfg.block_m >= m, cfg
     kdt = torch.float32 if INTERPRET else odt          # interpreter: fp32 out, cast by torch (see docstring)
     out = torch.empty(m, n, dtype=kdt, device=x.device)
+    n_tiles = cdiv(n, cfg.block_n)
+    counters = None
     if cfg.split > 1:
         dst = torch.empty(cfg.split, m, n, dtype=torch.float32, device=x.device)      # [split, M, N] partials
         stride_os, stride_om = dst.stride(0), dst.stride(1)
+        if reduce == "last" and n_tiles <= COUNTERS:
+            counters = _arrival_counters(x.device)
     else:
         dst, stride_os, stride_om = out, 0, out.stride(0)
-    grid = (cdiv(n, cfg.block_n), cfg.split)
-    _fp8_small_m_kernel[grid](
-        x, w, w_scale_inv, dst, m, n, k, groups,
+    last = counters is not None
+    _fp8_small_m_kernel[(n_tiles, cfg.split)](
+        x, w, w_scale_inv, dst, out, counters if last else dst, m, n, k, groups,
         x.stride(0), w.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), stride_os, stride_om,
-        ACT_EPS, FP8_MAX,
+        out.stride(0), ACT_EPS, FP8_MAX,
         UE8M0=act_ue8m0, INTERP=INTERPRET, BM=cfg.block_m, BN=cfg.block_n, GPS=cfg.groups_per_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.split > 1:
+        SPLIT=cfg.split, LAST_REDUCES=last, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.split > 1 and not last:
         _split_k_sum_kernel[(cdiv(m * n, SUM_BLOCK),)](dst, out, m * n, SPLIT=cfg.split, BLOCK=SUM_BLOCK,
                                                         num_warps=4)
     return out.to(odt)
