@@ -118,10 +118,10 @@ CUDA_FP8_GEMM: EnvVar[str] = EnvVar(
     "GLM_RAY_CUDA_FP8_GEMM", _choice("scaled_mm", "triton"), "scaled_mm", "cuda backend: block-FP8 "
     "GEMM implementation")
 CUDA_FP8_SMALL_M: EnvVar[int] = EnvVar(
-    "GLM_RAY_CUDA_FP8_SMALL_M", _nonneg_int, 32, "cuda backend: block-FP8 linears of at most this many rows run "
-    "the one-launch Triton kernel with the activation quant fused (kernels/cuda/fp8_small_m.py); 0 = off "
-    "(act quant + `_scaled_mm`). 32: the H200 crossover (glm5-flash-31b decode: faster at batch 1/8/32, "
-    "slower at 64)", "int")
+    "GLM_RAY_CUDA_FP8_SMALL_M", _nonneg_int, 64, "cuda backend: block-FP8 linears of at most this many rows (64 "
+    "at most) run the fused Triton kernel with the activation quant inside (kernels/cuda/fp8_small_m.py); 0 = off "
+    "(act quant + `_scaled_mm`). 64: with the H200-tuned tiles it beat `_scaled_mm` at M = 64 on 6 of the 7 "
+    "glm5-flash-31b decode linears (bench_kernels --small-m-sweep)", "int")
 CUDA_MOE_DECODE_PAIRS: EnvVar[int] = EnvVar(
     "GLM_RAY_CUDA_MOE_DECODE_PAIRS", _nonneg_int, 0, "cuda backend: MoE calls of at most this many (token, "
     "expert) pairs run the sort-free two-launch decode kernel (kernels/cuda/moe_decode.py); 0 = off (the "

@@ -115,7 +115,7 @@ def test_kernel_failure_marks_op_broken_and_uses_reference(monkeypatch, caplog):
 
 def test_decode_size_thresholds_route_to_the_one_launch_kernels(monkeypatch):
     """GLM_RAY_CUDA_FP8_SMALL_M: a block-FP8 linear of <= that many rows runs the fused small-M kernel
-    (interpreted here) and equals the reference; above it, the usual path (default 32)."""
+    (interpreted here) and equals the reference; above it, the usual path (default 64 = MAX_M)."""
     from glm_ray.kernels.cuda import CudaKernels, fp8_small_m
     monkeypatch.setenv("GLM_RAY_CUDA_FP8_SMALL_M", "4")
     ck = CudaKernels()
@@ -132,7 +132,10 @@ def test_decode_size_thresholds_route_to_the_one_launch_kernels(monkeypatch):
     assert rel_err(y.float(), want) < 1e-2                                  # bf16 output rounding
     assert CudaKernels().small_m == 4 and ck.moe_decode_pairs == 0
     monkeypatch.delenv("GLM_RAY_CUDA_FP8_SMALL_M")
-    assert CudaKernels().small_m == 32                                # the default (the H200 crossover)
+    assert CudaKernels().small_m == 64                                # the default: the kernel's MAX_M
+    monkeypatch.setenv("GLM_RAY_CUDA_FP8_SMALL_M", "4096")
+    assert CudaKernels().small_m == fp8_small_m.MAX_M                 # clamped to what the kernel takes
+    monkeypatch.delenv("GLM_RAY_CUDA_FP8_SMALL_M")
     # GLM_RAY_CUDA_MOE_DECODE_PAIRS: MoE calls of <= that many (token, expert) pairs take the decode kernels
     from glm_ray.kernels.cuda import moe_decode
     monkeypatch.setenv("GLM_RAY_CUDA_MOE_DECODE_PAIRS", "8")

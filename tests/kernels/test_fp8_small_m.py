@@ -70,6 +70,23 @@ def test_config_is_shape_only_and_splits_are_never_empty():
         small_m_config(65, 128, 128)
 
 
+def test_tuned_table_entries_are_valid_and_used_only_where_they_were_measured():
+    from glm_ray.kernels.cuda.fp8_small_m import GROUP, REDUCE_MODES, TUNED, TUNED_SMS, small_m_config
+    for (n, k, bm), (bn, split, warps, reduce) in TUNED.items():
+        assert GROUP % bn == 0 and 1 <= split <= L.cdiv(k, GROUP) and warps in (2, 4, 8) and reduce in REDUCE_MODES
+        for m in {bm // 2 + 1, bm} if bm > 16 else {1, bm}:
+            c = small_m_config(m, n, k, num_sms=TUNED_SMS)
+            assert (c.block_m, c.block_n, c.num_warps, c.reduce) == (bm, bn, warps, reduce)
+            assert c.split * c.groups_per_split >= L.cdiv(k, GROUP) and c.split <= split
+            # another SM count, an explicit split or BN, or tuned=False: the heuristic
+            h = small_m_config(m, n, k, num_sms=TUNED_SMS, tuned=False)
+            assert small_m_config(m, n, k, num_sms=78) == small_m_config(m, n, k, num_sms=78, tuned=False)
+            assert small_m_config(m, n, k, num_sms=TUNED_SMS, block_n=h.block_n, split_k=h.split) == h
+    # the heuristic's reduction: the last program at BM 16, a second launch above
+    assert small_m_config(1, 16384, 4096, split_k=2).reduce == "last"
+    assert small_m_config(40, 16384, 4096, split_k=2).reduce == "kernel"
+
+
 # ------------------------------------------------------------------------------ interpreted kernel
 
 @pytest.mark.parametrize("n,k", [(256, 512), (200, 384), (128, 130)])

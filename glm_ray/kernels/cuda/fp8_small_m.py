@@ -26,7 +26,7 @@ few rows, the GEMM is a GEMV whose time is reading the weight once. Here:
   to run; the fp32 sum is p[0] + p[1] + ... whichever program finishes last). `split` is normalized so
   that no split is empty (`groups_per_split = cdiv(G, split)`, `split = cdiv(G, groups_per_split)`); the
   partial traffic (2 x split x M x N x 4 bytes, mostly L2) is capped at half the weight bytes.
-  Who adds them (`reduce=`): "last" (default) = in the same launch, by the last program of each column
+  Who adds them (`reduce=`, else the config's): "last" = in the same launch, by the last program of each column
   tile to finish: every program stores its partial, then (CTA barrier, one acq_rel gpu-scope atomic)
   increments the tile's arrival counter; the program that reads split - 1 loads the partials (L1
   bypassed: `.cg`), adds them in split order, stores the output and resets the counter to 0 for the
@@ -61,7 +61,7 @@ from glm_ray.kernels.cuda.triton_kernels import ACT_EPS, FP8_MAX, INTERPRET, _fp
 MAX_M = 64                      # the design point: BM <= 64 rows in one tile
 GROUP = 128                     # activation quant group = weight block (both 128 along K)
 DEFAULT_SMS = 132               # H100/H200 SXM; used off-GPU (interpreter) for the split heuristic
-PROGRAMS_PER_SM = 2             # split-K target: about this many programs per SM
+PROGRAMS_PER_SM = {16: 4, 32: 2, 64: 2}   # split-K target per BM: about this many programs per SM
 PARTIAL_BYTES_FRACTION = 0.5    # cap: split-K partial traffic <= this fraction of the weight bytes
 SUM_BLOCK = 256                 # elements per program of the split-K reduction ("kernel")
 COUNTERS = 4096                 # arrival counters per device ("last"): column tiles of one launch
@@ -76,6 +76,24 @@ class SmallMConfig:
     groups_per_split: int        # 128-wide K groups per split (constexpr trip count)
     num_warps: int
     num_stages: int
+    reduce: str = "last"         # who adds split-K partials: REDUCE_MODES (no effect at split 1)
+
+
+# Measured on one H200 (132 SMs), `scripts/bench_kernels.py --small-m-sweep` (docs/measurements/2026-12-04):
+# (N, K, BM) -> (BN, split, num_warps, reduce), the fastest candidate per glm5-flash-31b decode shape (BM 16:
+# the sum over M = 1 and 16; BM 64: M = 64), each timed as back-to-back calls on distinct weights in one CUDA
+# graph. Shapes not listed (and other SM counts, BM 32) take the heuristic. The single pattern the table
+# records: BM 16 wants ~one 128-wide K group per program except the 8192-deep o_proj; BM 64 wants 8 warps.
+TUNED_SMS = 132
+TUNED: dict[tuple[int, int, int], tuple[int, int, int, str]] = {
+    (2048, 8192, 16): (64, 8, 4, "kernel"), (2048, 8192, 64): (128, 8, 8, "kernel"),     # o_proj
+    (8192, 768, 16): (64, 6, 4, "last"), (8192, 768, 64): (64, 1, 8, "last"),            # q_b_proj
+    (3072, 2048, 16): (64, 8, 4, "last"), (3072, 2048, 64): (128, 4, 8, "last"),         # shared gate_up
+    (4096, 768, 16): (32, 6, 4, "last"), (4096, 768, 64): (64, 2, 8, "last"),            # indexer wq_b
+    (2048, 1536, 16): (32, 12, 4, "last"), (2048, 1536, 64): (64, 4, 8, "last"),         # shared down
+    (1344, 2048, 16): (32, 16, 4, "last"), (1344, 2048, 64): (64, 4, 8, "last"),         # q_a + kv_a fused
+    (128, 2048, 16): (32, 16, 4, "last"), (128, 2048, 64): (64, 8, 8, "last"),           # indexer wk
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,34 +105,38 @@ def _sm_count(device_type: str, index: int | None) -> int:
 
 
 def small_m_config(m: int, n: int, k: int, *, split_k: int | None = None, num_sms: int = DEFAULT_SMS,
-                   block_n: int | None = None) -> SmallMConfig:
-    """Tile config from shapes only. `split_k` None: no split when the column tiles alone cover every SM,
-    else the split that brings the grid to about PROGRAMS_PER_SM x num_sms programs (capped by the
-    partial-traffic budget and the number of K groups);
-    an explicit `split_k` is clamped to [1, G]. Either way the split is normalized so none is empty."""
+                   block_n: int | None = None, tuned: bool = True) -> SmallMConfig:
+    """Tile config from shapes only. The measured `TUNED` entry when (N, K, BM) has one on a TUNED_SMS-SM
+    device and neither `split_k` nor `block_n` is given (and `tuned`); else the heuristic: `split_k` None =
+    no split when the column tiles alone cover every SM, else the split that brings the grid to about
+    PROGRAMS_PER_SM[BM] x num_sms programs (capped by the partial-traffic budget and the number of K groups);
+    an explicit `split_k` is clamped to [1, G]. Either way the split is normalized so none is empty.
+    Partials are added by the last program at BM 16 (few rows: a short tail), by a second launch above
+    (a tile's last program would read split x BM x BN fp32 alone: slower at BM 64 on the H200)."""
     if not 1 <= m <= MAX_M:
         raise ValueError(f"small-M block-FP8 linear: M = {m} not in [1, {MAX_M}]")
     bm = max(16, triton.next_power_of_2(m))
+    groups = cdiv(k, GROUP)
+    entry = TUNED.get((n, k, bm)) if tuned and split_k is None and block_n is None and num_sms == TUNED_SMS \
+        else None
+    if entry is not None:
+        block_n, split_k, warps, reduce = entry
+    else:
+        warps, reduce = (4, "last") if bm <= 16 else (4 if bm <= 32 else 8, "kernel")
     bn = block_n or (128 if bm >= 64 else 64)
     if GROUP % bn or bn < 16:
         raise ValueError(f"block_n {bn} must divide {GROUP} (one weight-scale row per tile)")
-    groups = cdiv(k, GROUP)
     if split_k is None:
         n_tiles = cdiv(n, bn)
-        want = 1 if n_tiles >= num_sms else cdiv(PROGRAMS_PER_SM * num_sms, n_tiles)
+        want = 1 if n_tiles >= num_sms else cdiv(PROGRAMS_PER_SM[bm] * num_sms, n_tiles)
         budget = int(PARTIAL_BYTES_FRACTION * n * k / (2 * 4 * m * n))     # 2 x split x M x N x 4 <= frac x N x K
         split = max(1, min(want, budget, groups))
     else:
         split = max(1, min(int(split_k), groups))
     gps = cdiv(groups, split)
     split = cdiv(groups, gps)
-    if bm <= 16:
-        warps, stages = 4, 4
-    elif bm <= 32:
-        warps, stages = 4, 3
-    else:
-        warps, stages = 8, 3
-    return SmallMConfig(bm, bn, split, gps, warps, stages)
+    stages = 4 if bm <= 16 else 3
+    return SmallMConfig(bm, bn, split, gps, warps, stages, reduce)
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,17 +224,18 @@ def _arrival_counters(device: torch.device) -> torch.Tensor | None:
 def block_fp8_linear_small_m(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, *,
                              out_dtype: torch.dtype | None = None, act_ue8m0: bool = False,
                              split_k: int | None = None, config: SmallMConfig | None = None,
-                             reduce: str = "last") -> torch.Tensor:
+                             reduce: str | None = None) -> torch.Tensor:
     """y [M, N] = quant_1x128(x) @ dequant(w)^T in one fused launch, for M <= 64.
 
     x [M, K] bf16/fp16 (fp32 accepted), unit last stride (any row stride); w float8_e4m3fn [N, K] with
     unit last stride (any row stride: the padded corner views of `block_fp8_linear_prepare` work);
     w_scale_inv fp32 [ceil(N/128), ceil(K/128)] (any strides). out_dtype: default x.dtype.
     `split_k` None = heuristic (see `small_m_config`); `config` overrides the whole tile config (tuning);
-    `reduce` = who adds split-K partials: "last" program of each tile (one launch) or a second "kernel".
+    `reduce` = who adds split-K partials: "last" program of each tile (one launch) or a second "kernel";
+    None = the config's.
     """
     assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (tuple(x.shape), tuple(w.shape))
-    assert reduce in REDUCE_MODES, reduce
+    assert reduce is None or reduce in REDUCE_MODES, reduce
     m, k = x.shape
     n = w.shape[0]
     odt = out_dtype or x.dtype
@@ -230,6 +253,7 @@ def block_fp8_linear_small_m(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torc
     kdt = torch.float32 if INTERPRET else odt          # interpreter: fp32 out, cast by torch (see docstring)
     out = torch.empty(m, n, dtype=kdt, device=x.device)
     n_tiles = cdiv(n, cfg.block_n)
+    reduce = reduce or cfg.reduce
     counters = None
     if cfg.split > 1:
         dst = torch.empty(cfg.split, m, n, dtype=torch.float32, device=x.device)      # [split, M, N] partials

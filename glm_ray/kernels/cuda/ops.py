@@ -109,7 +109,7 @@ class CudaKernels:
             self.tk, self.triton_error = None, f"triton unavailable ({type(e).__name__}: {e})"
             logger.warning("cuda kernel backend: %s; MoE / MXFP4 ops use the torch reference", self.triton_error)
         # decode-size thresholds of the one-launch kernels (0 = off; envs.py says why)
-        self.small_m = envs.CUDA_FP8_SMALL_M.get() if self.tk is not None else 0
+        self.small_m = min(envs.CUDA_FP8_SMALL_M.get(), 64) if self.tk is not None else 0   # fp8_small_m.MAX_M
         self.moe_decode_pairs = envs.CUDA_MOE_DECODE_PAIRS.get() if self.tk is not None else 0
 
     # ---- bookkeeping ----------------------------------------------------------------------------
