@@ -1,7 +1,7 @@
 """Benchmarks of the attention kernels of the `cuda` backend at GLM-5 shapes, bf16, each against the
 torch reference (`torch_ref.attention`) at the same shape.
 
-    python -m glm_ray.bench.attention [--heads 16 32 64] [--batch 1 8 32 64] [--json PATH]
+    python -m glm_ray.bench.attention [--heads 16 32 64] [--batch 1 8 32 64] [--splits 0 1 2 4] [--json PATH]
     python -m glm_ray.bench.attention --mode prefill [--heads 8 32 64] [--prefill-shapes 1x1024 8x1024 1x8192 4x8192]
 
 `--mode decode` (default): bandwidth of the Triton paged MLA decode (`kernels/cuda/mla_decode.py`,
@@ -105,17 +105,18 @@ def _reference_bytes(B: int, h: int, ctx: int) -> int:
 
 
 def _measure(h: int, B: int, ctx: int, sparse: bool, block_size: int, iters: int, reference: bool,
-             g: torch.Generator) -> dict:
+             g: torch.Generator, splits: int | None = None) -> dict:
     dev = torch.device("cuda")
     scale = 192 ** -0.5
     q, kv, bt, cl, idx = _case(B, h, ctx, block_size, sparse, dev, g)
     bt_d, cl_d = bt.to(dev), cl.to(dev)
     keys = min(ctx, SPARSE_K) if sparse else ctx
     nbytes = B * keys * D * 2 + B * h * (D + R) * 2                         # cache rows + q in + o_lat out
+    auto = default_num_splits(B, h, D, SPARSE_K if sparse else bt.shape[1] * block_size)
     ms = _time_ms(lambda: mla_decode_paged(q, kv, bt_d, cl_d, block_size, kv_lora_rank=R, scale=scale,
-                                           indices=idx), iters)
+                                           indices=idx, num_splits=splits), iters)
     row = {"h": h, "B": B, "context": ctx, "mode": "sparse" if sparse else "dense", "keys": keys,
-           "splits": default_num_splits(B, h, D, SPARSE_K if sparse else bt.shape[1] * block_size),
+           "splits": auto if splits is None else splits, "auto_splits": auto,
            "us": ms * 1e3, "MB": nbytes / 1e6, "TB_s": nbytes / ms / 1e9,
            "tflops": 2 * B * h * keys * (D + R) / ms / 1e9}
     row["copy_ratio"] = row["TB_s"] / COPY_TBPS
@@ -131,7 +132,7 @@ def _measure(h: int, B: int, ctx: int, sparse: bool, block_size: int, iters: int
 
 @torch.inference_mode()
 def run(heads: list[int], batches: list[int], contexts: list[int], sparse_contexts: list[int], block_size: int,
-        iters: int, reference: bool) -> list[dict]:
+        iters: int, reference: bool, splits: list[int] | None = None) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     rows = []
     shapes = [(c, False) for c in contexts] + [(c, True) for c in sparse_contexts]
@@ -139,13 +140,15 @@ def run(heads: list[int], batches: list[int], contexts: list[int], sparse_contex
         n0 = len(rows)
         for B in batches:
             for ctx, sparse in shapes:
-                rows.append(_measure(h, B, ctx, sparse, block_size, iters, reference, g))
+                for sp in splits or [0]:                                     # 0: the heuristic's
+                    rows.append(_measure(h, B, ctx, sparse, block_size, iters, reference and sp == (splits or [0])[0],
+                                         g, sp or None))
         print_rows(rows[n0:], COLS, width=10)                                # one table per head count
         print(flush=True)
     return rows
 
 
-COLS = ["h", "B", "context", "mode", "splits", "us", "MB", "TB_s", "copy_ratio", "tflops", "ref_us", "speedup"]
+COLS = ["h", "B", "context", "mode", "splits", "auto_splits", "us", "MB", "TB_s", "copy_ratio", "tflops", "ref_us", "speedup"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,6 +269,8 @@ def main(argv=None) -> int:
                    help="prefill mode: time the sparse rows once per way of walking the tiles")
     p.add_argument("--sparse-only", action="store_true", help="prefill mode: no dense rows for sparse shapes")
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference timings")
+    p.add_argument("--splits", type=int, nargs="+", default=None,
+                   help="decode mode: time each of these split-K counts per row (0: the heuristic's)")
     p.add_argument("--json", default=None, help="also append the rows to this JSONL file")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -275,7 +280,7 @@ def main(argv=None) -> int:
                            not a.no_reference, tuple(a.config) if a.config else None,
                            [TILES[n] for n in a.sparse_tiles] if a.sparse_tiles else None, a.sparse_only)
     else:
-        rows = run(a.heads, a.batch, a.contexts, a.sparse_contexts, a.block_size, a.iters, not a.no_reference)
+        rows = run(a.heads, a.batch, a.contexts, a.sparse_contexts, a.block_size, a.iters, not a.no_reference, a.splits)
     append_rows(a.json, rows)
     return 0
 
