@@ -141,13 +141,19 @@ def test_values_not_shapes_drive_lengths():
 
 
 def test_default_num_splits():
-    # shapes only; ~2 waves of 132 SMs, each split >= max(128, 4h) keys of the range, at most MAX_SPLITS
+    # shapes only; one wave of 132 SMs (one program per SM), each split >= min_keys (64 at h <= 32, 4h above)
+    # keys of the range, at most MAX_SPLITS
     assert md.default_num_splits(1, 64, 576, 32768) == md.MAX_SPLITS
     assert md.default_num_splits(1, 64, 576, 2048) == 2048 // 256
-    assert md.default_num_splits(64, 64, 576, 32768) == 5                    # 64 tiles -> ceil(264 / 64)
-    assert md.default_num_splits(64, 16, 576, 1024) == 5
+    assert md.default_num_splits(64, 64, 576, 32768) == 2                    # 64 tiles -> 132 // 64
+    assert md.default_num_splits(64, 32, 576, 2048) == 2                     # the H200 sweep's best
+    assert md.default_num_splits(32, 32, 576, 8192) == 4
+    assert md.default_num_splits(8, 32, 576, 1024) == 16
+    assert md.default_num_splits(1, 32, 576, 1024) == 16                     # 1024 // 64 keys
+    assert md.default_num_splits(64, 16, 576, 1024) == 2
     assert md.default_num_splits(1, 16, 576, 16) == 1                         # never < 1
     assert md.default_num_splits(264, 32, 576, 8192) == 1
+    assert md.default_num_splits(100, 32, 576, 8192) == 1                     # > half the SMs: no split
     for B in (1, 8, 64):
         for h in (4, 16, 32, 64):
             for rng in (1, 100, 2048, 131072):

@@ -79,20 +79,32 @@ class SmallMConfig:
     reduce: str = "last"         # who adds split-K partials: REDUCE_MODES (no effect at split 1)
 
 
-# Measured on one H200 (132 SMs), `scripts/bench_kernels.py --small-m-sweep` (docs/measurements/2026-12-04):
-# (N, K, BM) -> (BN, split, num_warps, reduce), the fastest candidate per glm5-flash-31b decode shape (BM 16:
-# the sum over M = 1 and 16; BM 64: M = 64), each timed as back-to-back calls on distinct weights in one CUDA
-# graph. Shapes not listed (and other SM counts, BM 32) take the heuristic. The single pattern the table
-# records: BM 16 wants ~one 128-wide K group per program except the 8192-deep o_proj; BM 64 wants 8 warps.
+# Measured on one H200 (132 SMs), `scripts/bench_kernels.py --small-m-sweep` (docs/measurements/2026-12-04,
+# second sweep): (N, K, BM) -> (BN, split, num_warps, reduce), the fastest candidate per glm5-flash-31b decode
+# linear (BM 16: the sum over M = 1 and 16; BM 32: M = 32; BM 64: M = 64), each timed as back-to-back calls
+# on distinct weights in one CUDA graph. Shapes not listed (and other SM counts) take the heuristic. What the
+# table says in general: BM 16 wants ~one 128-wide K group per program except the 8192-deep o_proj; BM >= 32
+# wants 8 warps and more splits than one wave, the partials added by a second launch.
 TUNED_SMS = 132
 TUNED: dict[tuple[int, int, int], tuple[int, int, int, str]] = {
-    (2048, 8192, 16): (64, 8, 4, "kernel"), (2048, 8192, 64): (128, 8, 8, "kernel"),     # o_proj
-    (8192, 768, 16): (64, 6, 4, "last"), (8192, 768, 64): (64, 1, 8, "last"),            # q_b_proj
-    (3072, 2048, 16): (64, 8, 4, "last"), (3072, 2048, 64): (128, 4, 8, "last"),         # shared gate_up
-    (4096, 768, 16): (32, 6, 4, "last"), (4096, 768, 64): (64, 2, 8, "last"),            # indexer wq_b
-    (2048, 1536, 16): (32, 12, 4, "last"), (2048, 1536, 64): (64, 4, 8, "last"),         # shared down
-    (1344, 2048, 16): (32, 16, 4, "last"), (1344, 2048, 64): (64, 4, 8, "last"),         # q_a + kv_a fused
-    (128, 2048, 16): (32, 16, 4, "last"), (128, 2048, 64): (64, 8, 8, "last"),           # indexer wk
+    # o_proj
+    (2048, 8192, 16): (64, 8, 4, "kernel"), (2048, 8192, 32): (128, 16, 4, "kernel"),
+    (2048, 8192, 64): (128, 16, 4, "kernel"),
+    # q_b_proj
+    (8192, 768, 16): (64, 6, 4, "kernel"), (8192, 768, 32): (64, 1, 8, "last"), (8192, 768, 64): (64, 1, 8, "last"),
+    # shared expert gate_up
+    (3072, 2048, 16): (64, 8, 4, "kernel"), (3072, 2048, 32): (128, 16, 4, "kernel"),
+    (3072, 2048, 64): (128, 8, 4, "kernel"),
+    # indexer wq_b
+    (4096, 768, 16): (32, 6, 4, "last"), (4096, 768, 32): (64, 2, 8, "last"), (4096, 768, 64): (128, 3, 8, "kernel"),
+    # shared expert down
+    (2048, 1536, 16): (32, 12, 4, "kernel"), (2048, 1536, 32): (64, 12, 8, "kernel"),
+    (2048, 1536, 64): (64, 4, 8, "kernel"),
+    # q_a + kv_a, fused into one GEMM
+    (1344, 2048, 16): (32, 16, 4, "kernel"), (1344, 2048, 32): (64, 16, 8, "kernel"),
+    (1344, 2048, 64): (128, 8, 8, "kernel"),
+    # indexer wk
+    (128, 2048, 16): (32, 16, 4, "kernel"), (128, 2048, 32): (64, 16, 8, "kernel"), (128, 2048, 64): (64, 8, 8, "kernel"),
 }
 
 
@@ -111,8 +123,8 @@ def small_m_config(m: int, n: int, k: int, *, split_k: int | None = None, num_sm
     no split when the column tiles alone cover every SM, else the split that brings the grid to about
     PROGRAMS_PER_SM[BM] x num_sms programs (capped by the partial-traffic budget and the number of K groups);
     an explicit `split_k` is clamped to [1, G]. Either way the split is normalized so none is empty.
-    Partials are added by the last program at BM 16 (few rows: a short tail), by a second launch above
-    (a tile's last program would read split x BM x BN fp32 alone: slower at BM 64 on the H200)."""
+    Heuristic partials are added by the last program at BM 16 (few rows: a short tail), by a second launch
+    above (a tile's last program reads split x BM x BN fp32 alone: 4 us slower at BM 64 on the H200)."""
     if not 1 <= m <= MAX_M:
         raise ValueError(f"small-M block-FP8 linear: M = {m} not in [1, {MAX_M}]")
     bm = max(16, triton.next_power_of_2(m))
@@ -122,7 +134,7 @@ def small_m_config(m: int, n: int, k: int, *, split_k: int | None = None, num_sm
     if entry is not None:
         block_n, split_k, warps, reduce = entry
     else:
-        warps, reduce = (4, "last") if bm <= 16 else (4 if bm <= 32 else 8, "kernel")
+        warps, reduce = (4, "last") if bm <= 16 else (8, "kernel")
     bn = block_n or (128 if bm >= 64 else 64)
     if GROUP % bn or bn < 16:
         raise ValueError(f"block_n {bn} must divide {GROUP} (one weight-scale row per tile)")

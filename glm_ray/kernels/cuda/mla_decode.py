@@ -71,17 +71,21 @@ def _config(h: int, D: int) -> tuple[int, int, int, int]:
 
 
 def default_num_splits(batch: int, h: int, D: int, key_range: int, block_h: int | None = None) -> int:
-    """Splits of the key range per (sequence, head tile): enough programs for ~2 waves of the SMs,
-    each split still worth >= `min_keys` keys of the largest possible range (`key_range` = nb *
-    block_size dense, K sparse), and at most MAX_SPLITS. Shapes only (CUDA-graph static).
+    """Splits of the key range per (sequence, head tile): as many as ONE wave of the SMs holds (the split
+    kernel runs one program per SM: a partial second wave costs a whole program's time), each split still
+    worth >= `min_keys` keys of the largest possible range (`key_range` = nb * block_size dense, K sparse),
+    and at most MAX_SPLITS. Shapes only (CUDA-graph static).
 
-    min_keys grows with h: a split writes an fp32 [h, r] partial and the merge reads it back
-    (h * r * 8 bytes: 256 KiB at h = 64, the bytes of ~230 keys), so many short splits at large h
-    would move more partials than cache rows."""
+    Measured on the H200 (`bench.attention --heads 32 --splits ...`, docs/measurements/2026-12-04): the
+    fastest split count was floor(132 / (B x head tiles)) at every B in {1, 8, 32, 64}, dense 1k / 8k and
+    sparse 8k (B = 64: 2 splits 61 / 313 / 109 us vs 82 / 379 / 160 us for the earlier ~2-wave rule's 5;
+    3 splits = 1.5 waves was the slowest). min_keys grows with h: a split writes an fp32 [h, r] partial and
+    the merge reads it back (h * r * 8 bytes: 128 KiB at h = 32), so many short splits at large h would
+    move more partials than cache rows; at h = 32, 64-key splits still won (B = 1 and 8 at 1k)."""
     block_h = block_h or _config(h, D)[0]
     tiles = batch * triton.cdiv(h, block_h)
-    min_keys = max(128, 4 * h)
-    want = triton.cdiv(2 * NUM_SMS, tiles)
+    min_keys = 64 if h <= 32 else 4 * h
+    want = max(1, NUM_SMS // tiles)
     return int(max(1, min(want, key_range // min_keys, MAX_SPLITS)))
 
 
