@@ -18,6 +18,7 @@ Small-M tile sweep (`--small-m-sweep`): the fused kernel's configs (BN x warps x
 added by the last program or by a second launch) and the backend path at the glm5-flash-31b decode shapes,
 M in {1, 16, 64}, each timed as R back-to-back calls on R distinct weight copies (R x bytes >= 3 x L2) in one
 CUDA graph, per call: what a decode step pays (in-graph launch gaps included, weights from HBM).
+`--small-m-pdl`: the same chains with the fused kernel launched as programmatic dependent launches or not.
 
 Printed per row: time (us, median of triton.testing.do_bench with an L2 flush between runs),
 achieved TFLOP/s and TB/s, and their ratio to the measured H200 ceilings (perf_anchors.md §3.1:
@@ -270,6 +271,42 @@ def bench_small_m_sweep(ck, rows, deadline):
         torch.cuda.empty_cache()
 
 
+PDL_SHAPES = [("flash.o_proj", 2048, 8192), ("flash.q_b_proj", 8192, 768), ("flash.qkv_a", 1344, 2048),
+              ("flash.idx.wk", 128, 2048)]
+
+
+def bench_small_m_pdl(rows, rounds=3):
+    """The fused kernel as a programmatic dependent launch or not: R back-to-back calls in one graph, the
+    two variants interleaved `rounds` times in this process (median per call of each round)."""
+    from glm_ray.kernels.cuda import fp8_small_m
+    from tests.kernels.cases import dense_fp8_case
+    for name, n, k in PDL_SHAPES:
+        _, w, s = dense_fp8_case(1, n, k, device=DEV)
+        wbytes = n * k + 4 * s.numel()
+        reps = max(8, min(256, -(-3 * L2_BYTES // wbytes)))
+        copies = [(w.clone(), s.clone()) for _ in range(reps)]
+        for m in (1, 16, 64):
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            got = {False: [], True: []}
+            for _ in range(rounds):
+                for pdl in (False, True):
+                    fns = [lambda a=a, b=b, pdl=pdl: fp8_small_m.block_fp8_linear_small_m(x, a, b, pdl=pdl)
+                           for a, b in copies]
+                    got[pdl].append(graph_per_call_ms(fns))
+            for pdl in (False, True):
+                med = sorted(got[pdl])[rounds // 2]
+                rows.append(row("pdl", name, "pdl" if pdl else "plain", m, med, 2.0 * m * n * k, wbytes,
+                                CEIL["fp8_tflops"], n=n, k=k, reps=reps, rounds_us=[round(v * 1e3, 2) for v in got[pdl]]))
+            # the output of the last call equals the plain launch's (same kernel, same bits)
+            a, b = copies[-1]
+            same = torch.equal(fp8_small_m.block_fp8_linear_small_m(x, a, b, pdl=True),
+                               fp8_small_m.block_fp8_linear_small_m(x, a, b))
+            print(f"PDL {name:16s} M={m:<3d} plain {sorted(got[False])[rounds // 2] * 1e3:6.2f} us  pdl "
+                  f"{sorted(got[True])[rounds // 2] * 1e3:6.2f} us per call (R={reps}); equal: {same}", flush=True)
+        copies = None
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON output path")
@@ -280,6 +317,8 @@ def main(argv=None) -> int:
     ap.add_argument("--small-m-sweep", action="store_true",
                     help="only the fused small-M kernel's tile sweep at the glm5-flash-31b decode shapes")
     ap.add_argument("--budget-s", type=float, default=420.0, help="--small-m-sweep stops after this long")
+    ap.add_argument("--small-m-pdl", action="store_true",
+                    help="only the fused small-M kernel with and without programmatic dependent launch")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device", file=sys.stderr)
@@ -300,7 +339,9 @@ def main(argv=None) -> int:
     print(json.dumps(info), flush=True)
     rows: list[dict] = []
     t0 = time.time()
-    if a.small_m_sweep:
+    if a.small_m_pdl:
+        bench_small_m_pdl(rows)
+    elif a.small_m_sweep:
         if ck.tk is None:
             print(f"bench_kernels --small-m-sweep: {ck.triton_error}", file=sys.stderr)
             return 2

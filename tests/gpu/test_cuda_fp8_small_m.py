@@ -161,3 +161,33 @@ def test_last_program_reduce_equals_the_sum_kernel_bit_for_bit(mods, m, n, k):
             assert torch.equal(static_y, want), cfg
     torch.cuda.synchronize()
     assert int(sm._counters[("cuda", x.device.index)].abs().sum()) == 0
+
+
+def test_programmatic_dependent_launch_keeps_the_chain_order(mods):
+    """pdl=True (the kernel starts launching its successor at once and waits for its predecessor before
+    its first load): a chain where each call reads the previous call's output must give the plain launches'
+    bits, eagerly and as a CUDA-graph replay (a missing wait would read a stale or half-written x)."""
+    sm, _ = mods
+    if _sm() < 90:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    n = k = 2048
+    layers = [dense_fp8_case(1, n, k, device=DEV, seed=i)[1:] for i in range(6)]
+    x0 = torch.randn(1, k, device=DEV, dtype=BF16)
+
+    def chain(x, pdl):
+        # the next call reads this output: directly (PDL kernel after PDL kernel) or through a residual add
+        for i, (w, s) in enumerate(layers):
+            y = sm.block_fp8_linear_small_m(x, w, s, pdl=pdl)
+            x = y if i % 2 == 0 else y * 0.5 + x
+        return x
+    want = chain(x0, False)
+    for _ in range(20):
+        assert torch.equal(chain(x0, True), want)
+    static_x = x0.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = chain(static_x, True)
+    for _ in range(20):
+        static_y.zero_()
+        g.replay()
+        assert torch.equal(static_y, want)

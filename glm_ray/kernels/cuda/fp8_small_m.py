@@ -159,10 +159,16 @@ def small_m_config(m: int, n: int, k: int, *, split_k: int | None = None, num_sm
 def _fp8_small_m_kernel(x_ptr, w_ptr, ws_ptr, o_ptr, out_ptr, cnt_ptr, M, N, K, G,
                         stride_xm, stride_wn, stride_wsn, stride_wsk, stride_os, stride_om, stride_outm, eps, fmax,
                         UE8M0: tl.constexpr, INTERP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        GPS: tl.constexpr, SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr):
+                        GPS: tl.constexpr, SPLIT: tl.constexpr, LAST_REDUCES: tl.constexpr, PDL: tl.constexpr):
     """o[pid_k, m, n] = sum over the K groups g of split pid_k of
     dot(quant(x[m, g]), w[n, g]) * s_x[m, g] * w_scale[n // 128, g]   (fp32 accumulate);
-    LAST_REDUCES: the last of a column tile's SPLIT programs also writes out[m, n] = sum_k o[k, m, n]."""
+    LAST_REDUCES: the last of a column tile's SPLIT programs also writes out[m, n] = sum_k o[k, m, n].
+    PDL (launched as a programmatic dependent launch): the next PDL kernel may start launching at once
+    (it waits for this grid's completion before reading anything), and this one waits for the previous
+    grid's completion and memory flush before its first load."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BM)
@@ -236,7 +242,7 @@ def _arrival_counters(device: torch.device) -> torch.Tensor | None:
 def block_fp8_linear_small_m(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, *,
                              out_dtype: torch.dtype | None = None, act_ue8m0: bool = False,
                              split_k: int | None = None, config: SmallMConfig | None = None,
-                             reduce: str | None = None) -> torch.Tensor:
+                             reduce: str | None = None, pdl: bool = False) -> torch.Tensor:
     """y [M, N] = quant_1x128(x) @ dequant(w)^T in one fused launch, for M <= 64.
 
     x [M, K] bf16/fp16 (fp32 accepted), unit last stride (any row stride); w float8_e4m3fn [N, K] with
@@ -244,7 +250,8 @@ def block_fp8_linear_small_m(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torc
     w_scale_inv fp32 [ceil(N/128), ceil(K/128)] (any strides). out_dtype: default x.dtype.
     `split_k` None = heuristic (see `small_m_config`); `config` overrides the whole tile config (tuning);
     `reduce` = who adds split-K partials: "last" program of each tile (one launch) or a second "kernel";
-    None = the config's.
+    None = the config's. `pdl`: launch as a programmatic dependent launch (sm_90+; an experiment, see
+    bench_kernels --small-m-pdl: not used by the engine).
     """
     assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (tuple(x.shape), tuple(w.shape))
     assert reduce is None or reduce in REDUCE_MODES, reduce
@@ -280,7 +287,8 @@ def block_fp8_linear_small_m(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torc
         x.stride(0), w.stride(0), w_scale_inv.stride(0), w_scale_inv.stride(1), stride_os, stride_om,
         out.stride(0), ACT_EPS, FP8_MAX,
         UE8M0=act_ue8m0, INTERP=INTERPRET, BM=cfg.block_m, BN=cfg.block_n, GPS=cfg.groups_per_split,
-        SPLIT=cfg.split, LAST_REDUCES=last, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SPLIT=cfg.split, LAST_REDUCES=last, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}))
     if cfg.split > 1 and not last:
         _split_k_sum_kernel[(cdiv(m * n, SUM_BLOCK),)](dst, out, m * n, SPLIT=cfg.split, BLOCK=SUM_BLOCK,
                                                         num_warps=4)
