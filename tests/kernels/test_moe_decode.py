@@ -113,6 +113,19 @@ def test_decode_moe_clamp_is_live(md):
     assert rel_err(_decode(md, "bf16", c), _decode(md, "bf16", c, swiglu_limit=7.0)) > 0.1
 
 
+@pytest.mark.parametrize("bn1", [32, 64])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_decode_moe_fp8_narrow_stage1_tiles_give_the_requant_bits(md, bn1, ue8m0):
+    """fp8 with BN1 < 128 (an fp32 intermediate quantized by stage 2) == BN1 = 128 (stage 1 re-quantizes),
+    bit for bit: the same quantizer sees the same fp32 values (I = 192: a ragged last group too)."""
+    c = _case("fp8", 3, 192, 4, ip=64, dtype=torch.float32)
+    base = dict(bk1=256, warps1=4, stages1=2, bn2=32, bk2=256, warps2=4, stages2=2)
+    wide = _decode(md, "fp8", c, act_ue8m0=ue8m0, config=md.DecodeConfig(bn1=128, **base))
+    narrow = _decode(md, "fp8", c, act_ue8m0=ue8m0, config=md.DecodeConfig(bn1=bn1, **base))
+    assert torch.equal(narrow, wide)
+    assert rel_err(narrow, _ref("fp8", c, act_ue8m0=ue8m0)) <= 1e-5
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 def test_decode_moe_other_tiles(md, fmt):
     """Tiles other than the heuristic's: several 128-groups per K step in both stages (fp8: G = 2 scale
@@ -135,7 +148,10 @@ def test_decode_config_is_shape_only_and_valid(md):
                 for bn, bk in ((cfg.bn1, cfg.bk1), (cfg.bn2, cfg.bk2)):
                     assert bn & (bn - 1) == 0 and bk & (bk - 1) == 0 and bk >= 128
                 if w_mode == "fp8":
-                    assert cfg.bn1 == 128 and 128 % cfg.bn2 == 0
+                    assert 128 % cfg.bn1 == 0 and 128 % cfg.bn2 == 0
+    # too few pairs for 128-wide stage-1 tiles to cover 132 SMs: narrower tiles (fp32 intermediate)
+    assert md.decode_config("fp8", 1, 4, 2048, 1536).bn1 == 32
+    assert md.decode_config("fp8", 8, 4, 2048, 1536).bn1 == 128
 
 
 def test_decode_moe_empty_and_bad_mode(md):

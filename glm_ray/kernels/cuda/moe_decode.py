@@ -12,8 +12,11 @@ a few dozen (T = 1..16 decode tokens, K = 4 or 8), and without BM = 16-row tiles
   registers with `_fp8_group_quant` (bit-exact with `act_quant_fp8` and the reference quantizer), the
   weights are scaled by their 128x128 block scales (per half: gate block rows then up block rows), and
   the intermediate is written re-quantized per 1x128 (e4m3 + fp32 scale; BN1 = 128 makes the tile's
-  row one group), exactly the grouped path's OUT_FP8 epilogue. bf16: the intermediate is stored in
-  x.dtype (fp32 under the interpreter, as the grouped path does).
+  row one group), exactly the grouped path's OUT_FP8 epilogue. When the pairs are too few for 128-wide
+  tiles to fill the SMs (T = 1..2 at K = 4: 48-96 programs on 132 SMs), BN1 shrinks to 64 / 32 and the
+  intermediate is written in fp32 instead; stage 2 then quantizes it per 1x128 in registers with the same
+  quantizer — the same fp32 values in, the same e4m3 bits and scales out. bf16: the intermediate is
+  stored in x.dtype (fp32 under the interpreter, as the grouped path does).
 * `_decode_down_kernel` (stage 2), grid (T, cdiv(D, BN2)): for each of the token's K slots in order,
   inter[t, k] . w2[e] for BN2 output columns, times the routing weight, summed in fp32 (the combine is
   fused; no atomics, so the result is deterministic), stored in x.dtype. The K slots and the I blocks
@@ -69,10 +72,12 @@ def _decode_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, o_ptr, os_ptr,
                       limit, eps, fmax,
                       FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERP: tl.constexpr,
                       TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
-                      STAGES: tl.constexpr):
+                      STAGES: tl.constexpr, REQUANT: tl.constexpr):
     """inter[p, n] = silu_glu(x[t] . w13[e, n], x[t] . w13[e, HALF + n]) for the pair p = t * TOPK + k,
     e = ids[p], n < N (= real I). D = real hidden size, DG = cdiv(D, 128); HALF = I' (row offset of the
-    up half); SHALF = scale block rows of one half. fp8: G = BK / 128 groups per K step."""
+    up half); SHALF = scale block rows of one half. fp8: G = BK / 128 groups per K step; REQUANT (BN = 128)
+    writes inter re-quantized per 1x128, else (BN < 128: a tile holds part of a group) in fp32, and
+    stage 2 quantizes it (the same quantizer on the same fp32 values: the same bits)."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     t = p // TOPK
@@ -98,8 +103,9 @@ def _decode_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, o_ptr, os_ptr,
             gi = kb * G + tl.arange(0, G)
             g_ok = gi < DG
             ws_e = ws_ptr + e * stride_wse + gi
-            sg = tl.load(ws_e + pid_n * stride_wsn, mask=g_ok, other=0.0)          # [G] (BN = 128: one block row)
-            su = tl.load(ws_e + (SHALF + pid_n) * stride_wsn, mask=g_ok, other=0.0)
+            srow = (pid_n * BN) // 128                                             # BN | 128: one block row
+            sg = tl.load(ws_e + srow * stride_wsn, mask=g_ok, other=0.0)           # [G]
+            su = tl.load(ws_e + (SHALF + srow) * stride_wsn, mask=g_ok, other=0.0)
             pg = tl.sum(tl.reshape(wg, (BN, G, 128)) * qf, axis=2)                 # [BN, G]
             pu = tl.sum(tl.reshape(wu, (BN, G, 128)) * qf, axis=2)
             acc_g += tl.sum(pg * (s * sg)[None, :], axis=1)
@@ -113,23 +119,24 @@ def _decode_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, o_ptr, os_ptr,
     h = acc_g * tl.sigmoid(acc_g) * acc_u                                          # [BN] fp32
     h = tl.where(n_ok, h, 0.0)
     o_row = o_ptr + p.to(tl.int64) * stride_om
-    if FP8:
+    if REQUANT:
         hq, hs = _fp8_group_quant(h[None, :], eps, fmax, UE8M0, INTERP)            # [1, 128] e4m3, [1]
         tl.store(o_row + offs_n[None, :], hq, mask=n_ok[None, :])
         tl.store(os_ptr + p.to(tl.int64) * stride_osm + pid_n + tl.arange(0, 1), hs)
     else:
-        tl.store(o_row + offs_n, h.to(o_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(o_row + offs_n, h.to(o_ptr.dtype.element_ty), mask=n_ok)    # bf16/fp16, or fp32 (fp8, BN < 128)
 
 
 @triton.jit
 def _decode_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, ids_ptr, tw_ptr, o_ptr,
                         D, I, IG,
-                        stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                        stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, eps, fmax,
                         FP8: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
-                        STAGES: tl.constexpr):
+                        STAGES: tl.constexpr, QUANT_A: tl.constexpr, UE8M0: tl.constexpr, INTERP: tl.constexpr):
     """out[t, n] = sum_k tw[t, k] * sum_i inter[t*TOPK + k, i] w2[ids[t, k], n, i] for n < D, i < I (real
-    sizes), accumulated in fp32 in slot order. IG = cdiv(I, 128); KP = next power of 2 of TOPK."""
+    sizes), accumulated in fp32 in slot order. IG = cdiv(I, 128); KP = next power of 2 of TOPK.
+    QUANT_A (fp8): inter is fp32 and is quantized per 1x128 here, in registers."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     kr = tl.arange(0, KP)
@@ -156,7 +163,11 @@ def _decode_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, ids_ptr, tw_ptr, o_ptr,
         if FP8:
             gi = kb * G + tl.arange(0, G)
             g_ok = gi < IG
-            a_s = tl.load(as_ptr + p * stride_asm + gi, mask=g_ok, other=0.0)                  # [G]
+            if QUANT_A:
+                aq, a_s = _fp8_group_quant(tl.reshape(a, (G, 128)), eps, fmax, UE8M0, INTERP)   # [G, 128], [G]
+                a = tl.reshape(aq.to(tl.float32), (BK,))
+            else:
+                a_s = tl.load(as_ptr + p * stride_asm + gi, mask=g_ok, other=0.0)              # [G]
             b_s = tl.load(ws_ptr + e * stride_wse + ((pid_n * BN) // 128) * stride_wsn + gi, mask=g_ok,
                           other=0.0)                                                           # [G] (BN | 128)
             part = tl.sum(tl.reshape(w, (BN, G, 128)) * tl.reshape(a, (G, 128))[None, :, :], axis=2)   # [BN, G]
@@ -172,7 +183,8 @@ def _decode_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, ids_ptr, tw_ptr, o_ptr,
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    bn1: int            # stage 1: intermediate columns per program (fp8: 128 = one re-quant group)
+    bn1: int            # stage 1: intermediate columns per program (fp8: divides 128; 128 = the tile
+                        # re-quantizes its group, less = fp32 intermediate quantized by stage 2)
     bk1: int            # stage 1: hidden columns per step (fp8: a multiple of 128)
     warps1: int
     stages1: int
@@ -221,7 +233,7 @@ def decode_config(w_mode: str, t: int, top_k: int, d: int, i: int, sms: int = DE
     full rate). Compiled for sm_90a with Triton 3.9 (ptxas -v): no spills; stage 1 fp8 uses 183
     registers x 8 warps (one program per SM), the rest <= 170."""
     wb = 1 if w_mode == "fp8" else 2
-    bn1 = 128 if w_mode == "fp8" else _block_n(t * top_k, i, sms)
+    bn1 = _block_n(t * top_k, i, sms)
     bk1 = _block_k(16384 // (bn1 * wb), d, 512)
     bn2 = _block_n(t, d, sms)
     bk2 = _block_k(16384 // (bn2 * wb), i, 1024)
@@ -252,16 +264,21 @@ def fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     p = t * top_k
     cfg = config or decode_config(w_mode, t, top_k, d, i_real, num_sms(x.device))
     if fp8:
-        assert cfg.bn1 == FP8_GROUP and cfg.bk1 % FP8_GROUP == 0 and cfg.bk2 % FP8_GROUP == 0, cfg
+        assert FP8_GROUP % cfg.bn1 == 0 and cfg.bk1 % FP8_GROUP == 0 and cfg.bk2 % FP8_GROUP == 0, cfg
         assert FP8_GROUP % cfg.bn2 == 0, cfg
         assert w13_scale is not None and w2_scale is not None, "fp8 needs w13_scale and w2_scale"
     x = x.contiguous()
     ids = topk_ids.contiguous()
     tw = topk_weights.to(torch.float32).contiguous()
     dev = x.device
-    if fp8:
+    requant = fp8 and cfg.bn1 == FP8_GROUP
+    if requant:
         inter = torch.empty(p, i_real, dtype=torch.float8_e4m3fn, device=dev)     # [P, I] e4m3
         inter_s = torch.empty(p, cdiv(i_real, FP8_GROUP), dtype=torch.float32, device=dev)   # [P, I/128]
+    elif fp8:
+        inter = torch.empty(p, i_real, dtype=torch.float32, device=dev)           # [P, I] fp32, quantized in stage 2
+        inter_s = inter
+    if fp8:
         ws1, ws2, shalf = w13_scale, w2_scale, w13_scale.shape[1] // 2
     else:
         kdt = torch.float32 if INTERPRET else x.dtype   # the interpreter's fp32->bf16 store rounding is inexact
@@ -277,14 +294,14 @@ def fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         float(swiglu_limit) if swiglu_limit is not None else 0.0, ACT_EPS, FP8_MAX,
         FP8=fp8, UE8M0=act_ue8m0, HAS_LIMIT=swiglu_limit is not None, INTERP=INTERPRET,
         TOPK=top_k, BN=cfg.bn1, BK=cfg.bk1, G=max(1, cfg.bk1 // FP8_GROUP), KB=cdiv(d, cfg.bk1),
-        STAGES=cfg.stages1, num_warps=cfg.warps1)
+        STAGES=cfg.stages1, REQUANT=requant, num_warps=cfg.warps1)
     out = torch.empty(t, d, dtype=torch.float32 if INTERPRET else x.dtype, device=dev)   # [T, D]
     _decode_down_kernel[(t, cdiv(d, cfg.bn2))](
         inter, inter_s if fp8 else dummy, w2, ws2 if fp8 else dummy, ids, tw, out,
         d, i_real, cdiv(i_real, FP8_GROUP),
         inter.stride(0), inter_s.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1),
-        ws2.stride(0) if fp8 else 0, ws2.stride(1) if fp8 else 0, out.stride(0),
+        ws2.stride(0) if fp8 else 0, ws2.stride(1) if fp8 else 0, out.stride(0), ACT_EPS, FP8_MAX,
         FP8=fp8, TOPK=top_k, KP=triton.next_power_of_2(top_k),
         BN=cfg.bn2, BK=cfg.bk2, G=max(1, cfg.bk2 // FP8_GROUP), KB=cdiv(i_real, cfg.bk2),
-        STAGES=cfg.stages2, num_warps=cfg.warps2)
+        STAGES=cfg.stages2, QUANT_A=fp8 and not requant, UE8M0=act_ue8m0, INTERP=INTERPRET, num_warps=cfg.warps2)
     return out if out.dtype == x.dtype else out.to(x.dtype)
