@@ -15,7 +15,8 @@ a few dozen (T = 1..16 decode tokens, K = 4 or 8), and without BM = 16-row tiles
   row one group), exactly the grouped path's OUT_FP8 epilogue. When the pairs are too few for 128-wide
   tiles to fill the SMs (T = 1..2 at K = 4: 48-96 programs on 132 SMs), BN1 shrinks to 64 / 32 and the
   intermediate is written in fp32 instead; stage 2 then quantizes it per 1x128 in registers with the same
-  quantizer — the same fp32 values in, the same e4m3 bits and scales out. bf16: the intermediate is
+  quantizer (same fp32 values in, same e4m3 bits and scales out: bit-equal under the interpreter; compiled,
+  the in-tile reduction order may differ with BN1 in the last fp32 bit). bf16: the intermediate is
   stored in x.dtype (fp32 under the interpreter, as the grouped path does).
 * `_decode_down_kernel` (stage 2), grid (T, cdiv(D, BN2)): for each of the token's K slots in order,
   inter[t, k] . w2[e] for BN2 output columns, times the routing weight, summed in fp32 (the combine is
@@ -77,7 +78,7 @@ def _decode_up_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, o_ptr, os_ptr,
     e = ids[p], n < N (= real I). D = real hidden size, DG = cdiv(D, 128); HALF = I' (row offset of the
     up half); SHALF = scale block rows of one half. fp8: G = BK / 128 groups per K step; REQUANT (BN = 128)
     writes inter re-quantized per 1x128, else (BN < 128: a tile holds part of a group) in fp32, and
-    stage 2 quantizes it (the same quantizer on the same fp32 values: the same bits)."""
+    stage 2 quantizes it with the same quantizer."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     t = p // TOPK
