@@ -123,9 +123,10 @@ CUDA_FP8_SMALL_M: EnvVar[int] = EnvVar(
     "(act quant + `_scaled_mm`). 64: with the H200-tuned tiles it beat `_scaled_mm` at M = 64 on 6 of the 7 "
     "glm5-flash-31b decode linears (bench_kernels --small-m-sweep)", "int")
 CUDA_MOE_DECODE_PAIRS: EnvVar[int] = EnvVar(
-    "GLM_RAY_CUDA_MOE_DECODE_PAIRS", _nonneg_int, 0, "cuda backend: MoE calls of at most this many (token, "
+    "GLM_RAY_CUDA_MOE_DECODE_PAIRS", _nonneg_int, 4, "cuda backend: MoE calls of at most this many (token, "
     "expert) pairs run the sort-free two-launch decode kernel (kernels/cuda/moe_decode.py); 0 = off (the "
-    "grouped kernels): on the H200 the grouped kernels were as fast or faster at batch 1 and 8", "int")
+    "grouped kernels). 4: one glm5-flash-31b token (H200, fp8: 30 vs 48 us; at 8-32 pairs the grouped "
+    "kernels were as fast or faster)", "int")
 CUDA_INDEXER_TOPK: EnvVar[str] = EnvVar(
     "GLM_RAY_CUDA_INDEXER_TOPK", _choice("triton", "torch"), "triton", "cuda backend: top-k of the DSA indexer's "
     "decode path: the multi-program Triton radix select (kernels/cuda/topk.py) or torch.topk")

@@ -130,7 +130,7 @@ def test_decode_size_thresholds_route_to_the_one_launch_kernels(monkeypatch):
     assert calls == [1]
     want = ref_block_fp8_linear(x.float(), w, s, (128, 128), torch.float32)
     assert rel_err(y.float(), want) < 1e-2                                  # bf16 output rounding
-    assert CudaKernels().small_m == 4 and ck.moe_decode_pairs == 0
+    assert CudaKernels().small_m == 4 and ck.moe_decode_pairs == 4                  # the default
     monkeypatch.delenv("GLM_RAY_CUDA_FP8_SMALL_M")
     assert CudaKernels().small_m == 64                                # the default: the kernel's MAX_M
     monkeypatch.setenv("GLM_RAY_CUDA_FP8_SMALL_M", "4096")

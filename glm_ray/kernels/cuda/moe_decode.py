@@ -234,7 +234,10 @@ def decode_config(w_mode: str, t: int, top_k: int, d: int, i: int, sms: int = DE
     full rate). Compiled for sm_90a with Triton 3.9 (ptxas -v): no spills; stage 1 fp8 uses 183
     registers x 8 warps (one program per SM), the rest <= 170."""
     wb = 1 if w_mode == "fp8" else 2
-    bn1 = _block_n(t * top_k, i, sms)
+    if w_mode == "fp8":      # 128 (re-quant in stage 1) when it fills the SMs, else 32 (H200, T = 1: 33 us vs
+        bn1 = 128 if t * top_k * cdiv(i, 128) >= sms else 32     # 49 / 40 at 64 / 128; 16: 30 us, not GPU-tested)
+    else:
+        bn1 = _block_n(t * top_k, i, sms)
     bk1 = _block_k(16384 // (bn1 * wb), d, 512)
     bn2 = _block_n(t, d, sms)
     bk2 = _block_k(16384 // (bn2 * wb), i, 1024)
