@@ -418,6 +418,7 @@ class OpenAIIngress:
     async def _start(self, subs: list[SubRequest], received: float) -> Fanout:
         if self._ttft.interval_s > 0:
             self._loop_lag.start()
+            self._ttft.start()
         def on_first(s: SubRequest, d) -> None:     # the TTFT split line (serve/ttft_split.py)
             self._ttft.add(split_ttft(received, s.called_at, time.monotonic(), d.ttft_parts))
         fan = Fanout(self.router, subs, self._abort_in_background, on_first)

@@ -83,20 +83,36 @@ class LoopLag:
 
 
 class TTFTSplit:
-    """Collects the parts per first token (`add`) and logs the medians line at most once per interval."""
+    """Collects the parts per first token (`add`) and logs the medians line at most once per interval;
+    `start()` (from inside the loop) also logs a window that traffic left pending: without it the last
+    window before a quiet period would wait for the next request."""
 
     def __init__(self, interval_s: float, clock=time.monotonic, lag: LoopLag | None = None):
         self.interval_s, self.clock, self.lag = interval_s, clock, lag
         self._since = clock()
         self._rows: list[dict[str, float]] = []
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None and self.interval_s > 0:
+            self._task = asyncio.get_running_loop().create_task(self._flusher())
+
+    async def _flusher(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.flush()
 
     def add(self, parts: dict[str, float]) -> str | None:
         """Record one request's parts; returns (and logs) the line when the interval is over."""
         if self.interval_s <= 0:
             return None
         self._rows.append(parts)
+        return self.flush()
+
+    def flush(self) -> str | None:
+        """Log (and return) the pending window's line if it has rows and its interval is over."""
         now = self.clock()
-        if now - self._since < self.interval_s:
+        if not self._rows or now - self._since < self.interval_s:
             return None
         line = self.line(self._rows)
         if self.lag is not None:

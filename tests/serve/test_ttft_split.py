@@ -33,6 +33,30 @@ def test_line_once_per_interval_with_medians():
     assert TTFTSplit(0.0).add(rows[0]) is None                                    # 0 = off
 
 
+def test_a_pending_window_is_logged_without_more_traffic():
+    """The last window before a quiet period: `flush` (the started task's tick) logs it once its interval
+    is over, and nothing when no row is pending."""
+    import asyncio
+    t = [0.0]
+    s = TTFTSplit(5.0, clock=lambda: t[0])
+    assert s.flush() is None
+    t[0] = 1.0
+    assert s.add(split(0.0, 0.001, 0.1, {"router": 0.05, "engine": 0.04})) is None
+    assert s.flush() is None                                    # its interval is not over yet
+    t[0] = 5.5
+    assert s.flush().startswith("ingress: TTFT split over 1 requests")
+    assert s.flush() is None                                    # logged once
+
+    async def main():
+        real = TTFTSplit(0.05)
+        real.start()
+        real.add(split(0.0, 0.001, 0.1, None))                 # inside its first window: pending
+        pending = len(real._rows)
+        await asyncio.sleep(0.2)                               # no further traffic
+        return pending, len(real._rows)
+    assert asyncio.run(main()) == (1, 0)
+
+
 def test_parts_survive_a_merged_backlog():
     """A consumer that fell behind takes its first token merged with the next: the parts stay."""
     a = TokenDelta("r", [5], ttft_parts={"router": 0.2, "engine": 0.1})
