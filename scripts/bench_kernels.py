@@ -196,6 +196,11 @@ SWEEP_MS = [1, 16, 32, 64]
 L2_BYTES = 50 * 2 ** 20                      # H100/H200
 
 
+def chain_reps(wbytes: int) -> int:
+    """Calls per timed graph: enough distinct weight copies that they cannot stay in L2 (>= 3 x L2)."""
+    return max(8, min(256, -(-3 * L2_BYTES // wbytes)))
+
+
 def graph_per_call_ms(fns) -> float:
     """Median device time per call of one CUDA-graph replay of every fn in fns, in order."""
     for fn in fns[:2]:
@@ -237,9 +242,9 @@ def bench_small_m_sweep(ck, rows, deadline):
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, n, k in SWEEP_SHAPES:
         _, w, s = dense_fp8_case(1, n, k, device=DEV)
-        wv, sv, meta = ck.block_fp8_linear_prepare(w, s, (128, 128))
         wbytes = n * k + 4 * s.numel()
-        reps = max(8, min(256, -(-3 * L2_BYTES // wbytes)))
+        reps = chain_reps(wbytes)
+        meta = ck.block_fp8_linear_prepare(w, s, (128, 128))[2]
         # distinct weights (no L2 reuse), each prepared as the layers hold it (the padded corner views:
         # a plain clone of a view would be unpadded and make the backend path copy per call)
         copies = [ck.block_fp8_linear_prepare(w, s, (128, 128))[:2] for _ in range(reps)]
@@ -283,7 +288,7 @@ def bench_small_m_pdl(rows, rounds=3):
     for name, n, k in PDL_SHAPES:
         _, w, s = dense_fp8_case(1, n, k, device=DEV)
         wbytes = n * k + 4 * s.numel()
-        reps = max(8, min(256, -(-3 * L2_BYTES // wbytes)))
+        reps = chain_reps(wbytes)
         copies = [(w.clone(), s.clone()) for _ in range(reps)]
         for m in (1, 16, 64):
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)

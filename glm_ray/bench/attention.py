@@ -136,12 +136,13 @@ def run(heads: list[int], batches: list[int], contexts: list[int], sparse_contex
     g = torch.Generator().manual_seed(0)
     rows = []
     shapes = [(c, False) for c in contexts] + [(c, True) for c in sparse_contexts]
+    splits = splits or [0]                                                  # 0: the heuristic's
     for h in heads:
         n0 = len(rows)
         for B in batches:
             for ctx, sparse in shapes:
-                for sp in splits or [0]:                                     # 0: the heuristic's
-                    rows.append(_measure(h, B, ctx, sparse, block_size, iters, reference and sp == (splits or [0])[0],
+                for sp in splits:                                            # the reference timed once
+                    rows.append(_measure(h, B, ctx, sparse, block_size, iters, reference and sp == splits[0],
                                          g, sp or None))
         print_rows(rows[n0:], COLS, width=10)                                # one table per head count
         print(flush=True)
