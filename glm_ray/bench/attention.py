@@ -4,7 +4,7 @@ torch reference (`torch_ref.attention`) at the same shape.
     python -m glm_ray.bench.attention [--heads 16 32 64] [--batch 1 8 32 64] [--splits 0 1 2 4] [--json PATH]
     python -m glm_ray.bench.attention --mode prefill [--heads 8 32 64] [--prefill-shapes 1x1024 8x1024 1x8192 4x8192]
 
-`--mode decode` (default): bandwidth of the Triton paged MLA decode (`kernels/cuda/mla_decode.py`,
+`--mode decode` (default, `--decode-configs BH:BN:WARPS:STAGES[:WS] ...` times kernel configs interleaved): bandwidth of the Triton paged MLA decode (`kernels/cuda/mla_decode.py`,
 absorbed form; r = 512, dr = 64). Per (h, B, context) dense, and sparse (DSA, K = 2048 indices) at 8k /
 32k: the median time of a CUDA-graph replay (decode runs under graphs; eager timing of a ~10 us kernel
 measures the host's launch cost instead) with the L2 flushed before each (`triton.testing.do_bench`,
@@ -105,17 +105,25 @@ def _reference_bytes(B: int, h: int, ctx: int) -> int:
 
 
 def _measure(h: int, B: int, ctx: int, sparse: bool, block_size: int, iters: int, reference: bool,
-             g: torch.Generator, splits: int | None = None) -> dict:
+             g: torch.Generator, splits: int | None = None, config: tuple | None = None) -> dict:
     dev = torch.device("cuda")
     scale = 192 ** -0.5
     q, kv, bt, cl, idx = _case(B, h, ctx, block_size, sparse, dev, g)
     bt_d, cl_d = bt.to(dev), cl.to(dev)
     keys = min(ctx, SPARSE_K) if sparse else ctx
     nbytes = B * keys * D * 2 + B * h * (D + R) * 2                         # cache rows + q in + o_lat out
-    auto = default_num_splits(B, h, D, SPARSE_K if sparse else bt.shape[1] * block_size)
-    ms = _time_ms(lambda: mla_decode_paged(q, kv, bt_d, cl_d, block_size, kv_lora_rank=R, scale=scale,
-                                           indices=idx, num_splits=splits), iters)
+    auto = default_num_splits(B, h, D, SPARSE_K if sparse else bt.shape[1] * block_size,
+                              config[0] if config else None)
+    try:
+        ms = _time_ms(lambda: mla_decode_paged(q, kv, bt_d, cl_d, block_size, kv_lora_rank=R, scale=scale,
+                                               indices=idx, num_splits=splits, config=config), iters)
+    except Exception as e:                                                  # a config the compiler rejects
+        if config is None:
+            raise
+        return {"h": h, "B": B, "context": ctx, "mode": "sparse" if sparse else "dense",
+                "config": _config_name(config), "error": f"{type(e).__name__}: {str(e)[:120]}"}
     row = {"h": h, "B": B, "context": ctx, "mode": "sparse" if sparse else "dense", "keys": keys,
+           "config": _config_name(config),
            "splits": auto if splits is None else splits, "auto_splits": auto,
            "us": ms * 1e3, "MB": nbytes / 1e6, "TB_s": nbytes / ms / 1e9,
            "tflops": 2 * B * h * keys * (D + R) / ms / 1e9}
@@ -130,26 +138,42 @@ def _measure(h: int, B: int, ctx: int, sparse: bool, block_size: int, iters: int
     return row
 
 
+def _config_name(config: tuple | None) -> str:
+    return "table" if config is None else ":".join(str(int(v)) for v in config)
+
+
+def _decode_config(text: str) -> tuple | None:
+    """'table' -> None; 'BH:BN:WARPS:STAGES[:WS]' -> the `mla_decode_paged` config tuple."""
+    if text == "table":
+        return None
+    parts = text.split(":")
+    if len(parts) not in (4, 5) or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BH:BN:WARPS:STAGES[:WS] or 'table'")
+    return tuple(int(p) for p in parts)
+
+
 @torch.inference_mode()
 def run(heads: list[int], batches: list[int], contexts: list[int], sparse_contexts: list[int], block_size: int,
-        iters: int, reference: bool, splits: list[int] | None = None) -> list[dict]:
+        iters: int, reference: bool, splits: list[int] | None = None, configs: list | None = None) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     rows = []
     shapes = [(c, False) for c in contexts] + [(c, True) for c in sparse_contexts]
     splits = splits or [0]                                                  # 0: the heuristic's
+    configs = configs or [None]                                             # None: the per-shape table's
     for h in heads:
         n0 = len(rows)
         for B in batches:
             for ctx, sparse in shapes:
                 for sp in splits:                                            # the reference timed once
-                    rows.append(_measure(h, B, ctx, sparse, block_size, iters, reference and sp == splits[0],
-                                         g, sp or None))
+                    for ci, cfg in enumerate(configs):                      # interleaved per shape
+                        rows.append(_measure(h, B, ctx, sparse, block_size, iters,
+                                             reference and sp == splits[0] and ci == 0, g, sp or None, cfg))
         print_rows(rows[n0:], COLS, width=10)                                # one table per head count
         print(flush=True)
     return rows
 
 
-COLS = ["h", "B", "context", "mode", "splits", "auto_splits", "us", "MB", "TB_s", "copy_ratio", "tflops", "ref_us", "speedup"]
+COLS = ["h", "B", "context", "mode", "config", "splits", "auto_splits", "us", "MB", "TB_s", "copy_ratio", "tflops", "ref_us", "speedup", "error"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,6 +296,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference timings")
     p.add_argument("--splits", type=int, nargs="+", default=None,
                    help="decode mode: time each of these split-K counts per row (0: the heuristic's)")
+    p.add_argument("--decode-configs", type=_decode_config, nargs="+", default=None,
+                   help="decode mode: kernel configs BH:BN:WARPS:STAGES[:WS] ('table' = the shipped per-shape one), "
+                        "timed interleaved per shape (WS 1: warp-specialized key loop)")
     p.add_argument("--json", default=None, help="also append the rows to this JSONL file")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -281,7 +308,8 @@ def main(argv=None) -> int:
                            not a.no_reference, tuple(a.config) if a.config else None,
                            [TILES[n] for n in a.sparse_tiles] if a.sparse_tiles else None, a.sparse_only)
     else:
-        rows = run(a.heads, a.batch, a.contexts, a.sparse_contexts, a.block_size, a.iters, not a.no_reference, a.splits)
+        rows = run(a.heads, a.batch, a.contexts, a.sparse_contexts, a.block_size, a.iters, not a.no_reference, a.splits,
+                   a.decode_configs)
     append_rows(a.json, rows)
     return 0
 

@@ -93,6 +93,38 @@ def default_num_splits(batch: int, h: int, D: int, key_range: int, block_h: int 
 # kernels
 # --------------------------------------------------------------------------------------------
 
+@triton.jit
+def _mla_tile(n0, end, ctx, q_nope, q_pe, m_i, l_i, acc, kv_ptr, bt_row, idx_row, qk_scale, stride_kv,
+              dn, dp, dn_ok, dp_ok, R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+              SPARSE: tl.constexpr, INTERP: tl.constexpr):
+    """One BLOCK_N tile of keys [n0, n0 + BLOCK_N) under the online softmax: returns (m_i, l_i, acc)."""
+    offs = n0 + tl.arange(0, BLOCK_N)                                         # [BN]
+    if SPARSE:
+        pos = tl.load(idx_row + offs, mask=offs < end, other=-1)
+        pos = pos.to(tl.int32)
+        valid = (pos >= 0) & (pos < ctx)
+    else:
+        pos = offs
+        valid = offs < end
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0)
+    slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE                   # [BN]
+    rows = kv_ptr + slot[:, None] * stride_kv                                 # [BN, 1]
+    c = tl.load(rows + dn[None, :], mask=valid[:, None] & dn_ok[None, :], other=0.0)          # [BN, BR]
+    k_pe = tl.load(rows + R + dp[None, :], mask=valid[:, None] & dp_ok[None, :], other=0.0)   # [BN, BDR]
+    if INTERP:
+        c = c.to(tl.float32)
+        k_pe = k_pe.to(tl.float32)
+    s = tl.dot(q_nope, tl.trans(c))
+    s = tl.dot(q_pe, tl.trans(k_pe), s)                                       # [BH, BN]
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))                 # base-2 logits
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])                                           # [BH, BN]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)                     # [BH, BR]
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["NUM_SPLITS"])   # a runtime value: eager decode groups vary it (cuda/__init__)
 def _mla_split_kernel(q_ptr, kv_ptr, bt_ptr, cl_ptr, idx_ptr, o_ptr, lse_ptr,
                       H, K_IDX, qk_scale,
@@ -101,7 +133,7 @@ def _mla_split_kernel(q_ptr, kv_ptr, bt_ptr, cl_ptr, idx_ptr, o_ptr, lse_ptr,
                       R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, NUM_SPLITS, BLOCK_H: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr,
-                      INTERP: tl.constexpr):
+                      INTERP: tl.constexpr, WARP_SPEC: tl.constexpr = False):
     hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -136,32 +168,15 @@ def _mla_split_kernel(q_ptr, kv_ptr, bt_ptr, cl_ptr, idx_ptr, o_ptr, lse_ptr,
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    for n0 in range(start, end, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)                                     # [BN]
-        if SPARSE:
-            pos = tl.load(idx_ptr + b.to(tl.int64) * stride_idxb + offs, mask=offs < end, other=-1)
-            pos = pos.to(tl.int32)
-            valid = (pos >= 0) & (pos < ctx)
-        else:
-            pos = offs
-            valid = offs < end
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0)
-        slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE               # [BN]
-        rows = kv_ptr + slot[:, None] * stride_kv                             # [BN, 1]
-        c = tl.load(rows + dn[None, :], mask=valid[:, None] & dn_ok[None, :], other=0.0)      # [BN, BR]
-        k_pe = tl.load(rows + R + dp[None, :], mask=valid[:, None] & dp_ok[None, :], other=0.0)  # [BN, BDR]
-        if INTERP:
-            c = c.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
-        s = tl.dot(q_nope, tl.trans(c))
-        s = tl.dot(q_pe, tl.trans(k_pe), s)                                   # [BH, BN]
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))             # base-2 logits
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])                                       # [BH, BN]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)                 # [BH, BR]
-        m_i = m_new
+    idx_row = idx_ptr + b.to(tl.int64) * stride_idxb
+    if WARP_SPEC:                                  # Triton's warp-specialized loop (loads vs MMA warps)
+        for n0 in tl.range(start, end, BLOCK_N, warp_specialize=True):
+            m_i, l_i, acc = _mla_tile(n0, end, ctx, q_nope, q_pe, m_i, l_i, acc, kv_ptr, bt_row, idx_row, qk_scale,
+                                      stride_kv, dn, dp, dn_ok, dp_ok, R, BLOCK_SIZE, BLOCK_N, SPARSE, INTERP)
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _mla_tile(n0, end, ctx, q_nope, q_pe, m_i, l_i, acc, kv_ptr, bt_row, idx_row, qk_scale,
+                                      stride_kv, dn, dp, dn_ok, dp_ok, R, BLOCK_SIZE, BLOCK_N, SPARSE, INTERP)
 
     nonempty = l_i > 0.0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]                           # [BH, BR]
@@ -221,7 +236,8 @@ def mla_decode_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     are < context_lens[b]; any order; no duplicates except -1).
     Returns o_lat [B, h, r] in q.dtype: softmax(scale * q . k) @ v with k = row[:D], v = row[:r].
     num_splits: split-K count (None: `default_num_splits`, from shapes only). config: (BLOCK_H, BLOCK_N,
-    num_warps, num_stages) instead of the per-shape table (tests, tuning).
+    num_warps, num_stages[, warp_specialize]) instead of the per-shape table (tests, tuning; the fifth
+    element runs the key loop as Triton's warp-specialized `tl.range`).
     """
     B, h, D = q.shape
     r = kv_lora_rank
@@ -246,13 +262,14 @@ def mla_decode_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         idx_arg, stride_idx = context_lens, 0                                 # unused pointer
     if key_range == 0:                                                        # sparse K = 0: nothing selected
         return out.zero_()
-    block_h, block_n, num_warps, num_stages = config or _config(h, D)
+    block_h, block_n, num_warps, num_stages, *rest = config or _config(h, D)
+    warp_spec = bool(rest and rest[0])
     splits = default_num_splits(B, h, D, key_range, block_h) if num_splits is None else int(num_splits)
     assert splits >= 1
     qk_scale = float(scale) * LOG2E
     consts = dict(R=r, DR=dr, BLOCK_R=triton.next_power_of_2(r), BLOCK_DR=triton.next_power_of_2(dr),
                   BLOCK_SIZE=block_size, NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=sparse,
-                  INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+                  INTERP=INTERPRET, WARP_SPEC=warp_spec, num_warps=num_warps, num_stages=num_stages)
     grid = (triton.cdiv(h, block_h), splits, B)
     if splits == 1:
         _mla_split_kernel[grid](q, kv_cache, block_table, context_lens, idx_arg, out, out,
