@@ -24,7 +24,7 @@ from glm_ray.kernels.torch_ref.mhc import mhc_coefficients
 from glm_ray.kernels.torch_ref.moe import swiglu
 from glm_ray.kernels.torch_ref.norm import rms_norm
 from glm_ray.kernels.torch_ref.rope import rope_inplace
-from glm_ray.kernels.torch_ref.routing import moe_routing
+from glm_ray.kernels.torch_ref.routing import moe_routing, router_logits
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ def _torch_ops() -> KernelOps:
                      mla_prefill=attention.mla_prefill, mla_decode=attention.mla_decode,
                      indexer_topk=indexer.indexer_topk, indexer_kpool_topk=indexer.indexer_kpool_topk,
                      causal_conv1d=kda.causal_conv1d_cached, kda_chunked=kda.kda_chunked_cached, swiglu=swiglu,
-                     moe_routing=moe_routing, rms_norm=rms_norm, mla_kv_write=cache_write.mla_kv_write,
+                     moe_routing=moe_routing, router_logits=router_logits, rms_norm=rms_norm,
+                     mla_kv_write=cache_write.mla_kv_write,
                      indexer_key_write=cache_write.indexer_key_write, rope_inplace=rope_inplace)
 
 

@@ -187,7 +187,13 @@ class MLAAttention(nn.Module):
         """Fold W_UK into the query, attend in latent space against the one shared latent KV head
         (MQA: the `mla_decode` kernel op), unfold W_UV from the output (decode)."""
         q_nope, q_pe = q[..., :self.dn], q[..., self.dn:]                       # [T, h, dn], [T, h, dr]
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_kc.to(q_nope.dtype)).transpose(0, 1)   # [T, h, r]
-        o_lat = kernels.ops().mla_decode(torch.cat([q_lat, q_pe], -1), kv_cache, group, selection,
+        q_abs = q.new_empty(q.shape[0], self.h, self.r + self.dr)               # [T, h, r+dr]
+        # W_UK folded straight into the first r dims (cuBLAS writes the strided rows), q_pe copied beside:
+        # one small copy instead of a cat of the whole [T, h, r+dr]
+        torch.bmm(q_nope.transpose(0, 1), self.w_kc.to(q_nope.dtype), out=q_abs[..., :self.r].transpose(0, 1))
+        q_abs[..., self.r:] = q_pe
+        o_lat = kernels.ops().mla_decode(q_abs, kv_cache, group, selection,
                                          kv_lora_rank=self.r, scale=self.scale, max_bytes=_ATTN_BYTES)   # [Tg, h, r]
-        return torch.bmm(o_lat.transpose(0, 1), self.w_vc.to(o_lat.dtype)).transpose(0, 1)     # [Tg, h, dv]
+        o = o_lat.new_empty(o_lat.shape[0], self.h, self.dv)                    # [Tg, h, dv] contiguous: o_proj
+        torch.bmm(o_lat.transpose(0, 1), self.w_vc.to(o_lat.dtype), out=o.transpose(0, 1))   # reads it as a view
+        return o

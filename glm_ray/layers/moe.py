@@ -8,7 +8,6 @@ sums are added and all-reduced once.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from glm_ray import kernels
@@ -37,8 +36,8 @@ class TopKRouter(nn.Module):
         load_sharded(param, ckpt, shard_dim=None, rank=0, tp=1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (weights [T, K] fp32, ids [T, K] int32): the GEMM, then the `moe_routing` op."""
-        logits = F.linear(x.float(), self.weight)                                # [T, E] fp32
+        """x [T, D] -> (weights [T, K] fp32, ids [T, K] int32): the `router_logits` GEMM, then `moe_routing`."""
+        logits = kernels.ops().router_logits(x, self.weight)                     # [T, E] fp32
         return kernels.ops().moe_routing(logits, self.e_score_correction_bias, top_k=self.top_k,
                                          n_group=self.n_group, topk_group=self.topk_group,
                                          renormalize=self.norm_topk_prob, scale=self.scale)

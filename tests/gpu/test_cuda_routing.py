@@ -65,3 +65,30 @@ def test_cuda_routing_graph_replay(e, k, n_group, topk_group):
     w_ref, ids_ref = ref_routing(new, bias, **kw)
     assert torch.equal(ids_g, ids_ref)
     assert rel_err(w_g, w_ref) <= 2e-6
+
+
+# ---- the router GEMM and the SwiGLU kernel, at glm5-flash-31b / GLM-5 shapes ---------------------------
+@pytest.mark.parametrize("t", [1, 8, 64, 256])
+@pytest.mark.parametrize("e,d", [(64, 2048), (256, 6144)])
+def test_cuda_router_logits_matches_reference(t, e, d):
+    from glm_ray.kernels.cuda.routing import router_logits
+    from glm_ray.kernels.torch_ref.routing import router_logits as ref
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(e, d, generator=g) * d ** -0.5).to(DEV)
+    out, want = router_logits(x, w), ref(x, w)
+    exact = x.double() @ w.double().T                                        # both within fp32 round-off of it
+    scale = (x.double().abs() @ w.double().abs().T).max().item()
+    assert (out.double() - exact).abs().max().item() <= 1e-6 * scale
+    assert (want.double() - exact).abs().max().item() <= 1e-6 * scale
+
+
+@pytest.mark.parametrize("limit", [None, 7.0])
+@pytest.mark.parametrize("t,i", [(1, 1536), (64, 1536), (2048, 10240), (8, 2048)])
+def test_cuda_swiglu_bit_equal_to_torch(t, i, limit):
+    from glm_ray.kernels.cuda.swiglu import swiglu
+    from glm_ray.kernels.torch_ref.moe import swiglu as ref
+    g = torch.Generator().manual_seed(i + t)
+    gu = (torch.randn(t, 2 * i, generator=g) * 4).to(torch.bfloat16).to(DEV)   # gate | up halves
+    out = swiglu(gu[:, :i], gu[:, i:], limit)
+    assert torch.equal(out, ref(gu[:, :i], gu[:, i:], limit))             # expf + IEEE division, as ATen

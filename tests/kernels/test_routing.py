@@ -162,3 +162,54 @@ def test_kernel_empty_batch():
     w, ids = triton_routing.moe_routing(torch.zeros(0, 64), None, top_k=4, n_group=1, topk_group=1,
                                         renormalize=True, scale=SCALE)
     assert w.shape == (0, 4) and ids.shape == (0, 4)
+
+
+# ---- the router GEMM (`router_logits`) and the SwiGLU kernel (kernels/cuda/swiglu.py) ----------------
+from glm_ray.kernels.cuda.layout import ROUTER_PROGRAMS, router_logits_config  # noqa: E402
+from glm_ray.kernels.torch_ref.moe import swiglu as ref_swiglu  # noqa: E402
+from glm_ray.kernels.torch_ref.routing import router_logits as ref_router_logits  # noqa: E402
+
+
+@pytest.mark.parametrize("t,e,d", [(1, 64, 2048), (64, 64, 2048), (1, 256, 6144), (256, 256, 6144), (3, 160, 1000)])
+def test_router_logits_config(t, e, d):
+    bt, be, bk = router_logits_config(t, e, d)
+    assert bt * be * bk <= 4096 and bk >= 32 and be <= 16 and bt <= 16      # registers a thread at 4 warps
+    for v in (bt, be, bk):
+        assert v & (v - 1) == 0                                              # tl.arange needs powers of two
+    programs = -(-e // be) * -(-t // bt)
+    assert programs >= min(ROUTER_PROGRAMS // 2, e * -(-t // bt))           # the launch fills the SMs
+
+
+@pytest.mark.parametrize("t,e,d", [(1, 64, 256), (5, 12, 200), (19, 40, 96)])
+def test_router_logits_kernel_matches_reference(t, e, d):
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, d, generator=g).to(torch.bfloat16)
+    w = torch.randn(e, d, generator=g)
+    out = triton_routing.router_logits(x, w)
+    ref = ref_router_logits(x, w)                                            # F.linear(x.float(), w)
+    assert out.dtype == torch.float32 and out.shape == (t, e)
+    # the same fp32 products summed in another order: within fp32 round-off of the dot's magnitude
+    assert (out - ref).abs().max().item() <= 1e-5 * (x.float().abs() @ w.abs().T).max().item()
+    strided = torch.randn(t, 2 * d, generator=g).to(torch.bfloat16)[:, :d]  # row stride 2d
+    assert torch.allclose(triton_routing.router_logits(strided, w), ref_router_logits(strided, w), rtol=1e-5, atol=1e-4)
+    assert triton_routing.router_logits(x[:0], w).shape == (0, e)
+
+
+triton_swiglu = pytest.importorskip("glm_ray.kernels.cuda.swiglu", reason="triton not importable")
+
+
+@pytest.mark.parametrize("limit", [None, 7.0])
+@pytest.mark.parametrize("t,i", [(1, 96), (3, 300), (4, 1536)])
+def test_swiglu_kernel_matches_reference(t, i, limit):
+    g = torch.Generator().manual_seed(i)
+    gu = (torch.randn(t, 2 * i, generator=g) * 4).to(torch.bfloat16)         # [T, 2I]: gate | up, row stride 2I
+    gate, up = gu[:, :i], gu[:, i:]
+    out = triton_swiglu.swiglu(gate, up, limit)
+    ref = ref_swiglu(gate, up, limit)
+    assert out.dtype == ref.dtype and out.shape == ref.shape and out.is_contiguous()
+    # the interpreter's exp is numpy's and its bf16 casts truncate (the GPU kernel rounds, uses expf as
+    # ATen and must be bit-equal there: tests/gpu/test_cuda_routing.py): here two bf16 steps apart at most,
+    # which still catches a swapped gate / up, a missed clamp or a wrong row stride (errors of O(1))
+    assert torch.allclose(out.float(), ref.float(), rtol=2 ** -6, atol=1e-6)
+    if limit is not None:
+        assert (gate.float() > limit).any()                                  # the clamp is exercised

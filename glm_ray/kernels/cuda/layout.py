@@ -231,3 +231,22 @@ def dense_config(w_mode: str, m: int) -> TileConfig:
     if m <= 256:
         return TileConfig(64, 128, bk, 4, 3)
     return TileConfig(128, 128, bk, 8, 3)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+ROUTER_MAX_T = 256          # above: cuBLAS's fp32 GEMM (prefill sizes), below: `router_logits`'s one launch
+ROUTER_PROGRAMS = 128       # programs a launch aims at (~one per H200 SM)
+
+
+def router_logits_config(T: int, E: int, D: int) -> tuple[int, int, int]:
+    """(BT, BE, BK): tokens x experts per program so that a launch has ~ROUTER_PROGRAMS programs, and a
+    [BT, BE, BK] product tile of <= 4096 fp32 (32 registers a thread at 4 warps). Shapes only."""
+    bt = min(16, next_pow2(max(T, 1)))
+    want = E * cdiv(max(T, 1), bt) // ROUTER_PROGRAMS
+    be = max(1, min(16, next_pow2(max(want, 1)), next_pow2(E), 4096 // (32 * bt)))
+    bk = max(32, min(next_pow2(D), 4096 // (bt * be)))
+    return bt, be, bk

@@ -32,6 +32,10 @@
   decode, a row per query token with its causal length in prefill — then the multi-program radix select
   of topk.py (GLM_RAY_CUDA_INDEXER_TOPK=torch: torch.topk). Reference when: not CUDA, sm < 80.
 * moe_routing: one Triton kernel (routing.py). Reference when: not CUDA, sm < 70, E > 1024.
+* router_logits: one Triton launch at decode sizes (routing.py, T <= ROUTER_MAX_T); cuBLAS's fp32 GEMM
+  (the reference) above it and when: not CUDA, sm < 70.
+* swiglu: one Triton launch (swiglu.py; torch runs silu and the product as two). Reference when: not
+  CUDA, sm < 80, not bf16/fp16, gate / up not [T, I] with unit last strides.
 * mla_kv_write / indexer_key_write: norm + rope + cast + scatter of a token's cache row in one Triton launch
   (cache_write.py). Reference when: not CUDA, sm < 80, an activation / weight / cache dtype other than
   bf16 / fp16 / fp32, a cache whose rows are not contiguous, an odd rope width.
@@ -44,7 +48,7 @@
   the block table and expanded once with kv_b, packed queries, causal with the prefix offset) dense or
   over the DSA top-k positions (a per-query bitmap). Reference when: not CUDA, sm < 80, not bf16/fp16,
   cache dtype != q's, a bool-mask selection (the k-pool indexer), qk_nope_head_dim < 16.
-* indexer_kpool_topk, causal_conv1d, kda_chunked, swiglu: inherited from torch (tiled top-k, chunked KDA).
+* indexer_kpool_topk, causal_conv1d, kda_chunked: inherited from torch (tiled top-k, chunked KDA).
 * Any kernel exception (e.g. a Triton compile error on an untested GPU/Triton pair) marks that op
   broken for the process: logged with its traceback, reference from then on (`_guarded`).
 gate_mode must be "separated" everywhere (the torch contract check raises otherwise).
@@ -75,10 +79,12 @@ from glm_ray.kernels.torch_ref.fp8 import FP8_DTYPE, per_token_group_quant_fp8
 from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
 from glm_ray.kernels.torch_ref.kda import kda_decode as ref_kda_decode
 from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref_mhc
+from glm_ray.kernels.torch_ref.moe import swiglu as ref_swiglu
 from glm_ray.kernels.torch_ref.mxfp4 import canonical_scale_mode
 from glm_ray.kernels.torch_ref.norm import rms_norm as ref_rms_norm
 from glm_ray.kernels.torch_ref.rope import rope_inplace as ref_rope_inplace
 from glm_ray.kernels.torch_ref.routing import moe_routing as ref_moe_routing
+from glm_ray.kernels.torch_ref.routing import router_logits as ref_router_logits
 
 logger = logging.getLogger(__name__)
 
@@ -480,6 +486,26 @@ class CudaKernels:
         from glm_ray.kernels.cuda.routing import moe_routing as fast  # noqa: PLC0415 (imports triton)
         return self._guarded("moe_routing", lambda: fast(logits, bias, **kw), lambda: ref_moe_routing(logits, bias, **kw))
 
+    def router_logits(self, x, weight):
+        reason = self._gpu_reason(x, 70, need_triton=True)
+        if reason is not None or x.dim() != 2 or x.shape[0] > L.ROUTER_MAX_T:
+            if reason is not None:
+                self._fallback("router_logits", reason)
+            return ref_router_logits(x, weight)
+        from glm_ray.kernels.cuda.routing import router_logits as fast  # noqa: PLC0415 (imports triton)
+        return self._guarded("router_logits", lambda: fast(x, weight), lambda: ref_router_logits(x, weight))
+
+    def swiglu(self, gate, up, limit=None):
+        reason = (self._gpu_reason(gate, 80, need_triton=True)
+                  or (f"dtype {gate.dtype}" if gate.dtype not in HALF_DTYPES or up.dtype != gate.dtype else None)
+                  or ("not [T, I] rows with unit last strides" if gate.dim() != 2 or gate.shape != up.shape
+                      or gate.stride(-1) != 1 or up.stride(-1) != 1 else None))
+        if reason is not None:
+            self._fallback("swiglu", reason)
+            return ref_swiglu(gate, up, limit)
+        from glm_ray.kernels.cuda.swiglu import swiglu as fast  # noqa: PLC0415 (imports triton)
+        return self._guarded("swiglu", lambda: fast(gate, up, limit), lambda: ref_swiglu(gate, up, limit))
+
     # ---- per-token KV-cache writes (norm + rope + cast + scatter) -----------------------------------
     def _cache_write_reason(self, x, tensors, cache, rope_dim: int) -> str | None:
         return (self._gpu_reason(x, 80, need_triton=True)
@@ -549,5 +575,6 @@ def make_ops(fp8_gemm: str | None = None):
                      fused_moe_mxfp4=k.fused_moe_mxfp4, mxfp4_linear=k.mxfp4_linear,
                      mhc_coefficients=k.mhc_coefficients, kda_decode=k.kda_decode, mla_decode=k.mla_decode,
                      mla_prefill=k.mla_prefill, indexer_topk=k.indexer_topk, moe_routing=k.moe_routing,
+                     router_logits=k.router_logits, swiglu=k.swiglu,
                      rms_norm=k.rms_norm, rope_inplace=k.rope_inplace,
                      mla_kv_write=k.mla_kv_write, indexer_key_write=k.indexer_key_write)
