@@ -7,11 +7,12 @@ from typing import Any, Sequence
 
 
 def print_rows(rows: Sequence[dict[str, Any]], cols: Sequence[str], width: int = 18) -> None:
-    """One header line and one line per row; floats with 3-4 decimals, right-aligned."""
+    """One header line and one line per row; floats with 3-4 decimals, anything else as `str` (bools and
+    None as words), right-aligned."""
     print(" | ".join(f"{c:>{width}}" for c in cols))
     for r in rows:
         print(" | ".join(f"{r[c]:>{width}.{3 if abs(r[c]) >= 1 else 4}f}" if isinstance(r[c], float)
-                         else f"{r[c]:>{width}}" for c in cols))
+                         else f"{str(r[c]):>{width}}" for c in cols))   # str: bools and None as words
 
 
 def append_rows(path: str | None, rows: Sequence[dict[str, Any]]) -> None:
