@@ -12,6 +12,15 @@ requests, a block table of ceil(C/bs) blocks, start_pos = C - 1, one token each)
 feeds each sequence its greedy token at the next position and appends a block at block boundaries.
 Warm-up steps (graph capture) are not timed; the requests are finished before the next case.
 
+Two phases per row. The synchronous one times `execute(step)` = launch + the host's wait for the sampled
+ids, step after step, so its step is host + device. The served engine on a GPU at TP1 schedules
+asynchronously (README "async scheduling"; engine_core.py `_step_async`): step N+1 is built and launched
+before step N's ids are read back, its tokens -1 placeholders the runner takes from step N's token tensor
+on the device, so a served step costs ~max(host, device). With `--overlap` (default) a second phase
+(`OverlapDecodeCase`) drives the runner that way, on fresh requests from the same start state (same
+prompts, block tables, state slots; recurrent states restored; positions >= C-1 are rewritten before
+they are read), and checks its greedy ids step by step against the synchronous phase's.
+
 Per row:
 * step_ms — median wall time of `execute` (the runner's host sync on the sampled tokens included);
 * replay_call_ms — host time inside the graph replay call (cudaGraphLaunch) per step, unprofiled;
@@ -25,7 +34,14 @@ Per row:
   achievable HBM read rate); ratio_wall = step_ms / floor_ms, ratio_device = device_ms / floor_ms;
 * top_ops — with `--profile-top N`, the N ops with the most device time per step (CPU self time on CPU);
 * timeline_ms (CUDA) — where a profiled step's wall time goes: GPU busy, the GPU's gaps between the step's
-  kernels, host time before the first kernel and after the last (see `profile_steps_of`).
+  kernels, host time before the first kernel and after the last (see `profile_steps_of`);
+* overlap_step_ms — the overlapped phase's step: the MEDIAN of the per-step intervals (wall time between
+  consecutive returns of one engine iteration: build diff N+1, launch N+1, wait for and apply step N's ids)
+  over `--steps` timed steps after max(1, --warmup) untimed ones; overlap_mean_ms (JSON) = total wall /
+  steps; overlap_ratio_wall = overlap_step_ms / floor_ms; NaN with --no-overlap;
+* overlap_tokens_match — the overlapped phase's sampled ids equal the synchronous phase's at every step
+  (greedy, same kernels: the same bits); False is printed as a WARNING line, overlap_mismatch_step (JSON)
+  is the first step that differs (1 = the first placeholder step: its id read from the wrong step).
 """
 from __future__ import annotations
 
@@ -63,7 +79,8 @@ HBM_BYTES_PER_S = 4.2e12            # H200: achievable HBM read bandwidth (4.8e1
 FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": [128, 128]}
 ROW_COLS = ["model", "quant", "mode", "batch", "context", "step_ms", "host_ms", "replay_call_ms", "device_ms", "floor_ms",
-            "ratio_wall", "ratio_device", "tokens_per_s", "graph_steps"]
+            "ratio_wall", "ratio_device", "tokens_per_s", "graph_steps", "overlap_step_ms", "overlap_ratio_wall",
+            "overlap_tokens_match"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -229,7 +246,7 @@ def model_dir_for(model: str, quant: str, root: Path) -> Path:
 
 def steps_per_case(warmup: int, steps: int, profile_steps: int) -> int:
     """Decode steps one case runs at most: warm-up (at least the registering step), timed, profiled (or
-    the CUDA-event fallback's one step)."""
+    the CUDA-event fallback's one step). The overlapped phase launches fewer (warm-up + timed)."""
     return max(1, warmup) + steps + max(1, profile_steps)
 
 
@@ -315,7 +332,9 @@ class SyncWaitProbe:
 
 
 class DecodeCase:
-    """B fake sequences at context C driven through `execute` one decode step at a time."""
+    """B fake sequences at context C driven through `execute` one decode step at a time (synchronously:
+    each step's sampled ids are read back before the next step is built). `history`: the sampled ids of
+    every step so far, [steps][B]."""
 
     def __init__(self, worker: Worker, batch: int, context: int, steps_total: int, tag: str, seed: int = 0):
         self.worker, self.B, self.C = worker, batch, context
@@ -330,6 +349,7 @@ class DecodeCase:
         self.tokens = prompts[:, -1].tolist()                                # next input token per sequence
         self.pos = context - 1                                               # its position
         self.first = True
+        self.history: list[list[int]] = []                                   # [steps][B] sampled ids
 
     def next_step(self) -> SchedulerOutput:
         """The scheduler's diff for the next step (built outside the timed call; per sequence, as the
@@ -345,11 +365,17 @@ class DecodeCase:
             seqs.append(ScheduledSeq(rid, [self.tokens[i]], self.pos, blocks, reset, sample=True, state_slot=i))
         return SchedulerOutput(new_requests=self.new if self.first else [], seqs=seqs)
 
-    def advance(self, out: ModelRunnerOutput | None) -> None:
+    def _sampled(self, out: ModelRunnerOutput | None) -> list[int]:
+        """The next collected step's sampled ids (per sequence), appended to `history`."""
         if out is None or out.failed:
             why = next(iter(out.failed.values())).message if out is not None and out.failed else "no output"
-            raise RuntimeError(f"decode step at B={self.B}, C={self.C}, pos={self.pos} failed: {why}")
-        self.tokens = [out.sampled[rid] for rid in self.rids]
+            raise RuntimeError(f"decode step {len(self.history)} at B={self.B}, C={self.C} failed: {why}")
+        toks = [out.sampled[rid] for rid in self.rids]
+        self.history.append(toks)
+        return toks
+
+    def advance(self, out: ModelRunnerOutput | None) -> None:
+        self.tokens = self._sampled(out)
         self.pos += 1
         self.first = False
 
@@ -359,6 +385,93 @@ class DecodeCase:
 
     def finish(self) -> None:
         self.worker.execute(SchedulerOutput(finished_req_ids=list(self.rids)))
+
+
+PLACEHOLDER = -1        # a decode token still being sampled (engine/scheduler.py `_schedule_seq`, async_mode)
+
+
+class OverlapDecodeCase(DecodeCase):
+    """The same fake sequences driven the way the async engine drives the runner (engine_core.py
+    `_step_async`, the scheduler's `async_mode`): one `step()` builds step N+1's diff, `launch`es it, then
+    `collect`s step N (the host's one wait) and applies its ids. When step N+1 is built its input tokens
+    are unknown, so every decode token after the first is the scheduler's -1 placeholder (the runner takes
+    it from step N's token tensor on the device); position and blocks advance at launch, as the
+    scheduler's `num_computed_tokens` does, and the diff carries `share_tokens` as the engine's does.
+    `drain()` collects the step still in flight after the last `step()`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pending = None                               # the runner's PendingStep launched, not collected
+
+    def step(self) -> None:
+        so = self.next_step()                             # the prompt's last token, then placeholders
+        so.share_tokens = True
+        launched = self.worker.launch(so)
+        self.tokens = [PLACEHOLDER] * self.B
+        self.pos += 1
+        self.first = False
+        prev, self.pending = self.pending, launched
+        if prev is not None:
+            self._sampled(self.worker.collect(prev))
+
+    def drain(self) -> None:
+        prev, self.pending = self.pending, None
+        if prev is not None:
+            self._sampled(self.worker.collect(prev))
+
+    def finish(self) -> None:
+        prev, self.pending = self.pending, None
+        if prev is not None:                              # an error path: clear it, its ids unread
+            self.worker.collect(prev)
+        super().finish()
+
+
+def run_overlapped(worker: Worker, *, batch: int, context: int, steps_total: int, tag: str, seed: int, warmup: int,
+                   steps: int) -> tuple[list[float], OverlapDecodeCase, int]:
+    """The overlapped phase of a row: max(1, warmup) untimed `OverlapDecodeCase.step()`s (the pipeline
+    fills: one step always in flight), then `steps` timed ones. Returns the per-step intervals in s (the
+    wall time between consecutive `step()` returns: build diff N+1, launch N+1, wait for and apply N, so
+    in steady state the served step period), the drained case (its `history`) and the timed launches
+    that replayed a graph."""
+    case = OverlapDecodeCase(worker, batch, context, steps_total, tag, seed)
+    runner = worker.runner
+    intervals: list[float] = []
+    try:
+        for _ in range(max(1, warmup)):
+            case.step()
+        g0 = runner.num_graph_steps
+        t_prev = time.perf_counter()
+        for _ in range(steps):
+            case.step()
+            t = time.perf_counter()
+            intervals.append(t - t_prev)
+            t_prev = t
+        graph_steps = runner.num_graph_steps - g0
+        case.drain()
+    finally:
+        case.finish()
+    return intervals, case, graph_steps
+
+
+def first_mismatch(ref: list[list[int]], got: list[list[int]]) -> int | None:
+    """The first step whose ids in `got` differ from `ref`'s same step (or that `ref` lacks); None if none."""
+    for i, ids in enumerate(got):
+        if i >= len(ref) or ref[i] != ids:
+            return i
+    return None
+
+
+def snapshot_states(worker: Worker, batch: int) -> list[torch.Tensor]:
+    """Host copies of state slots 0..batch-1 of every recurrent-state cache (KDA layers; none for MLA-only
+    models): a decode step updates them in place, so a second run from the same start restores them."""
+    return [t[:batch].to("cpu", copy=True) for pair in worker.runner.state_caches.values() for t in pair]
+
+
+def restore_states(worker: Worker, batch: int, saved: list[torch.Tensor]) -> None:
+    tensors = [t for pair in worker.runner.state_caches.values() for t in pair]
+    with torch.no_grad():
+        for t, s in zip(tensors, saved):
+            t[:batch].copy_(s)
 
 
 def profile_steps_of(case, n: int, cuda: bool, top: int) -> tuple[float, list[dict], str, dict]:
@@ -443,10 +556,15 @@ def _event_span_ms(case: DecodeCase, n: int) -> float:
 
 def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mode: str, batch: int, context: int,
              steps: int, warmup: int = 3, profile_steps: int = 5, profile_top: int = 12,
-             bandwidth: float = HBM_BYTES_PER_S, seed: int = 0) -> dict:
+             bandwidth: float = HBM_BYTES_PER_S, seed: int = 0, overlap: bool = True) -> dict:
+    """One row: the synchronous phase (timed, then profiled), then with `overlap` (where the worker has
+    `launch` / `collect`) the overlapped phase on fresh requests from the same start state, whose ids
+    are checked against the synchronous phase's."""
     cuda = worker.device.type == "cuda"
-    case = DecodeCase(worker, batch, context, steps_per_case(warmup, steps, profile_steps),
-                      f"{model}-{mode}", seed)
+    total = steps_per_case(warmup, steps, profile_steps)
+    overlap = overlap and hasattr(worker, "launch") and hasattr(worker, "collect")
+    saved = snapshot_states(worker, batch) if overlap else []
+    case = DecodeCase(worker, batch, context, total, f"{model}-{mode}", seed)
     probe = SyncWaitProbe(cuda)
     walls, waits, cpus, replays = [], [], [], []
     try:
@@ -475,6 +593,12 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
             device_ms, dev_src = _event_span_ms(case, max(1, profile_steps)), "events"
     finally:
         case.finish()
+    ovl_walls, ovl_case, ovl_graphs = [], None, 0
+    if overlap:
+        restore_states(worker, batch, saved)
+        ovl_walls, ovl_case, ovl_graphs = run_overlapped(worker, batch=batch, context=context, steps_total=total,
+                                                         tag=f"{model}-{mode}-overlap", seed=seed, warmup=warmup,
+                                                         steps=steps)
     step_ms = statistics.median(walls) * 1e3
     if host_src == "thread-cpu":                 # no probe: CPU time (a spinning device wait counts)
         host_ms = statistics.median(cpus) * 1e3
@@ -482,6 +606,8 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
         host_ms = statistics.median(w - s for w, s in zip(walls, waits)) * 1e3
     fb = floor_bytes(weights, worker.model_cfg, batch, context, _elem(worker.model_cfg.dtype))
     floor_ms = fb["total"] / bandwidth * 1e3
+    ovl_ms = statistics.median(ovl_walls) * 1e3 if ovl_walls else float("nan")
+    mismatch = first_mismatch(case.history, ovl_case.history) if ovl_case is not None else None
     return {"model": model, "quant": quant, "mode": mode, "batch": batch, "context": context, "steps": steps,
             "step_ms": step_ms, "host_ms": host_ms,
             "replay_call_ms": statistics.median(replays) * 1e3 if replays else float("nan"), "sync_wait_ms": statistics.median(waits) * 1e3,
@@ -491,7 +617,13 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
             "floor_kv_gb": (fb["kv"] + fb["index_keys"]) / 1e9, "host_src": host_src, "device_src": dev_src,
             "top_ops_time": "device" if cuda else "cpu", "top_ops": ops, "timeline_ms": timeline,
             "final_pos": case.pos, "device": str(worker.device), "graph_steps": graph_steps,
-            "fallbacks": fallback_counts()}
+            "fallbacks": fallback_counts(),
+            "overlap_step_ms": ovl_ms, "overlap_ratio_wall": ovl_ms / floor_ms,
+            "overlap_mean_ms": sum(ovl_walls) / len(ovl_walls) * 1e3 if ovl_walls else float("nan"),
+            "overlap_tokens_per_s": batch / ovl_ms * 1e3,
+            "overlap_tokens_match": (mismatch is None) if ovl_case is not None else None,
+            "overlap_mismatch_step": mismatch, "overlap_graph_steps": ovl_graphs,
+            "overlap_steps_checked": len(ovl_case.history) if ovl_case is not None else 0}
 
 
 def fallback_counts() -> dict[str, int]:
@@ -499,6 +631,12 @@ def fallback_counts() -> dict[str, int]:
     kernels fell back measures the reference, and says so."""
     counter = getattr(getattr(kernels.ops().block_fp8_linear, "__self__", None), "fallbacks", None)
     return {f"{op}: {why}": n for (op, why), n in (counter or {}).items()}
+
+
+def warn_mismatch(row: dict) -> None:
+    if row.get("overlap_tokens_match") is False:
+        print(f"  WARNING: B={row['batch']} C={row['context']}: the overlapped phase's ids differ from the synchronous "
+              f"phase's from step {row['overlap_mismatch_step']} on (a placeholder read from the wrong step?)")
 
 
 def print_ops(row: dict) -> None:
@@ -517,7 +655,7 @@ def print_ops(row: dict) -> None:
 def run(models: list[str], batches: list[int], contexts: list[int], *, steps: int = 20,
         modes: tuple[str, ...] = ("eager", "graph"), quant: str = "fp8", device: str = "auto", dtype: str = "auto",
         warmup: int = 3, profile_steps: int = 5, profile_top: int = 12, bandwidth: float = HBM_BYTES_PER_S,
-        block_size: int = 16, seed: int = 0, verbose: bool = True) -> list[dict]:
+        block_size: int = 16, seed: int = 0, verbose: bool = True, overlap: bool = True) -> list[dict]:
     """Every (model, mode, context, batch) row; one engine per (model, mode)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -535,12 +673,13 @@ def run(models: list[str], batches: list[int], contexts: list[int], *, steps: in
                 for B in batches:
                     row = run_case(worker, weights, model=model, quant=quant, mode=mode, batch=B, context=C,
                                    steps=steps, warmup=warmup, profile_steps=profile_steps,
-                                   profile_top=profile_top, bandwidth=bandwidth, seed=seed)
+                                   profile_top=profile_top, bandwidth=bandwidth, seed=seed, overlap=overlap)
                     row["weights"] = asdict(weights)
                     rows.append(row)
                     if verbose:
                         print_rows([row], ROW_COLS, width=14)
                         print_ops(row)
+                        warn_mismatch(row)
             del worker
             release(device)
     return rows
@@ -565,14 +704,18 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth", type=float, default=HBM_BYTES_PER_S, help="bytes/s of the floor")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also append the rows to this JSONL file")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the overlapped (async-scheduling) step: launch N+1 before collecting N")
     a = p.parse_args(argv)
     if min(a.batch) < 1 or min(a.context) < 1 or a.steps < 1:
         p.error("--batch, --context and --steps must be >= 1")
     rows = run(a.models, a.batch, a.context, steps=a.steps, modes=tuple(a.mode), quant=a.quant, device=a.device,
                dtype=a.dtype, warmup=a.warmup, profile_steps=a.profile_steps, profile_top=a.profile_top,
-               bandwidth=a.bandwidth, block_size=a.block_size, seed=a.seed)
+               bandwidth=a.bandwidth, block_size=a.block_size, seed=a.seed, overlap=a.overlap)
     print()
     print_rows(rows, ROW_COLS, width=14)
+    for row in rows:
+        warn_mismatch(row)
     append_rows(a.json, rows)
     return 0
 

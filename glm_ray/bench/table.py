@@ -7,8 +7,8 @@ from typing import Any, Sequence
 
 
 def print_rows(rows: Sequence[dict[str, Any]], cols: Sequence[str], width: int = 18) -> None:
-    """One header line and one line per row; floats with 3-4 decimals, right-aligned; a column a row
-    lacks (an error row) prints as '-'."""
+    """One header line and one line per row; floats with 3-4 decimals, anything else as `str` (bools and
+    None as words), right-aligned; a column a row lacks (an error row) prints as '-'."""
     print(" | ".join(f"{c:>{width}}" for c in cols))
     for r in rows:
         vals = [r.get(c, "-") for c in cols]

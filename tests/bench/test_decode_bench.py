@@ -1,6 +1,7 @@
 """`python -m glm_ray.bench.decode` on CPU with the tiny model (rows, floor, and that the fake sequences
-really decode at the given context through the runner's diff protocol), and the floor's byte formula on
-glm5-flash-31b's config against a hand calculation."""
+really decode at the given context through the runner's diff protocol; the overlapped phase drives the
+runner as the async engine does and its id check catches ids read from the wrong step), and the floor's
+byte formula on glm5-flash-31b's config against a hand calculation."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import pytest
 
 from glm_ray.bench import decode
 from glm_ray.config import ModelConfig
+from glm_ray.worker.model_runner import ModelRunner
 
 BS = 16                                        # default block size
 
@@ -22,7 +24,7 @@ def test_main_decodes_at_the_given_context(tmp_path, monkeypatch, runner_calls):
     C, steps, warmup, prof = 40, 3, 3, 2
     assert decode.main(["glm5-tiny", "--device", "cpu", "--batch", "1", "2", "--context", str(C), "--steps",
                         str(steps), "--warmup", str(warmup), "--profile-steps", str(prof), "--mode", "eager",
-                        "--profile-top", "4", "--json", str(out_json)]) == 0
+                        "--profile-top", "4", "--json", str(out_json), "--no-overlap"]) == 0
 
     rows = [json.loads(line) for line in out_json.read_text().splitlines()]
     assert [(r["batch"], r["context"], r["mode"], r["quant"]) for r in rows] == [(1, C, "eager", "fp8"),
@@ -35,6 +37,7 @@ def test_main_decodes_at_the_given_context(tmp_path, monkeypatch, runner_calls):
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3)
         assert 0 < len(r["top_ops"]) <= 4 and r["top_ops_time"] == "cpu"
         assert r["final_pos"] == C - 1 + n
+        assert math.isnan(r["overlap_step_ms"]) and r["overlap_tokens_match"] is None    # --no-overlap
 
     # every fake sequence: registered once with C prompt tokens and ceil(C/bs) blocks, then one token per
     # step at positions C-1, C, ..., each the greedy token of the step before, blocks appended on time
@@ -58,6 +61,100 @@ def test_main_decodes_at_the_given_context(tmp_path, monkeypatch, runner_calls):
             blocks += len(s.block_ids)
             assert blocks == s.start_pos // BS + 1                              # the block of this position
         assert all(rid in out.sampled for _, out, _ in hist)
+
+
+def _run_overlapped(tmp_path, monkeypatch, batches, steps=4, warmup=2) -> tuple[list[dict], list[tuple]]:
+    """bench.decode's main with --overlap on the tiny model (no profiling), and every runner launch /
+    collect in order: ("launch", SchedulerOutput, PendingStep) and ("collect", PendingStep, output)."""
+    monkeypatch.setenv("GLM_RAY_CACHE", str(tmp_path / "cache"))
+    events: list[tuple] = []
+    launch, collect = ModelRunner.launch, ModelRunner.collect
+
+    def spy_launch(self, step):
+        p = launch(self, step)
+        events.append(("launch", step, p))
+        return p
+
+    def spy_collect(self, pending):
+        out = collect(self, pending)
+        events.append(("collect", pending, out))
+        return out
+    monkeypatch.setattr(ModelRunner, "launch", spy_launch)
+    monkeypatch.setattr(ModelRunner, "collect", spy_collect)
+    out_json = tmp_path / "rows.jsonl"
+    assert decode.main(["glm5-tiny", "--device", "cpu", "--batch", *map(str, batches), "--context", "40",
+                        "--steps", str(steps), "--warmup", str(warmup), "--profile-steps", "0", "--mode", "eager",
+                        "--profile-top", "0", "--json", str(out_json), "--overlap"]) == 0
+    return [json.loads(line) for line in out_json.read_text().splitlines()], events
+
+
+def test_overlap_phase_launches_ahead_with_placeholders(tmp_path, monkeypatch):
+    """--overlap: the new columns are finite and > 0, the overlapped ids equal the synchronous phase's, and
+    the runner was driven as the async engine drives it: step N+1 launched before step N is collected,
+    every decode token after the first the -1 placeholder, positions advancing at launch."""
+    C, steps, warmup = 40, 4, 2
+    rows, events = _run_overlapped(tmp_path, monkeypatch, [1, 3], steps, warmup)
+    assert [r["batch"] for r in rows] == [1, 3]
+    n = warmup + steps                                        # overlapped launches per case
+    for r in rows:
+        for k in ("overlap_step_ms", "overlap_ratio_wall", "overlap_mean_ms", "overlap_tokens_per_s"):
+            assert math.isfinite(r[k]) and r[k] > 0, k
+        assert r["overlap_ratio_wall"] == pytest.approx(r["overlap_step_ms"] / r["floor_ms"])
+        assert r["overlap_tokens_match"] is True and r["overlap_mismatch_step"] is None
+        assert r["overlap_steps_checked"] == n
+    for B in (1, 3):
+        ovl = [e for e in events if e[0] == "launch" and any(f"-b{B}-" in s.req_id and "-overlap-" in s.req_id
+                                                              for s in e[1].seqs)]
+        assert len(ovl) == n
+        pos0 = ovl[0][1].seqs[0].start_pos
+        assert pos0 == C - 1 and all(s.token_ids != [-1] for s in ovl[0][1].seqs)     # the prompt's last token
+        for i, (_, so, _) in enumerate(ovl):
+            assert so.share_tokens and len(so.seqs) == B
+            assert all(s.start_pos == pos0 + i for s in so.seqs)
+            if i:
+                assert all(s.token_ids == [-1] for s in so.seqs)                       # the in-flight token
+        # launch i+1 comes before collect i; every launch is collected once, in order
+        order = []
+        for e in events:
+            if e[0] == "launch" and any(e[2] is p for _, _, p in ovl):
+                order.append(("L", next(i for i, (_, _, p) in enumerate(ovl) if p is e[2])))
+            elif e[0] == "collect" and any(e[1] is p for _, _, p in ovl) and e[2] is not None and e[2].sampled:
+                order.append(("C", next(i for i, (_, _, p) in enumerate(ovl) if p is e[1])))
+        assert order == [("L", 0)] + [x for i in range(1, n) for x in (("L", i), ("C", i - 1))] + [("C", n - 1)]
+        # the ids vary from step to step (on the tiny model's dummy weights), so a wrong step would show
+        sampled = [[e[2].sampled[s.req_id] for s in so.seqs] for _, so, p in ovl for e in events
+                   if e[0] == "collect" and e[1] is p and e[2] is not None and e[2].sampled]
+        assert len(sampled) == n and len({tuple(t) for t in sampled}) > 1
+
+
+def test_overlap_check_catches_ids_from_the_wrong_step(tmp_path, monkeypatch):
+    """A runner that fills a placeholder from the launch before the previous one (a stale token tensor)
+    makes the overlapped ids differ from step 1 on: overlap_tokens_match False."""
+    stale: list = []
+    launch_sample, placeholders = ModelRunner._launch_sample, ModelRunner._placeholders
+
+    def keep(self, *args, **kwargs):
+        launch_sample(self, *args, **kwargs)
+        stale.append(self._last_tokens)
+
+    def wrong_step(self, seqs, flat):
+        if len(stale) < 2:
+            return placeholders(self, seqs, flat)
+        current, self._last_tokens = self._last_tokens, stale[-2]
+        try:
+            return placeholders(self, seqs, flat)
+        finally:
+            self._last_tokens = current
+    monkeypatch.setattr(ModelRunner, "_launch_sample", keep)
+    monkeypatch.setattr(ModelRunner, "_placeholders", wrong_step)
+    rows, _ = _run_overlapped(tmp_path, monkeypatch, [2])
+    assert rows[0]["overlap_tokens_match"] is False and rows[0]["overlap_mismatch_step"] == 1
+
+
+def test_first_mismatch():
+    ref = [[1, 2], [3, 4], [5, 6]]
+    assert decode.first_mismatch(ref, ref[:2]) is None and decode.first_mismatch(ref, ref) is None
+    assert decode.first_mismatch(ref, [[1, 2], [3, 5]]) == 1 and decode.first_mismatch(ref[:1], ref[:2]) == 1
 
 
 def _flash_31b(quant: bool) -> ModelConfig:
