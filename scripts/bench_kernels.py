@@ -19,6 +19,8 @@ added by the last program or by a second launch) and the backend path at the glm
 M in {1, 16, 64}, each timed as R back-to-back calls on R distinct weight copies (R x bytes >= 3 x L2) in one
 CUDA graph, per call: what a decode step pays (in-graph launch gaps included, weights from HBM).
 `--small-m-pdl`: the same chains with the fused kernel launched as programmatic dependent launches or not.
+`--decode-small-ops`: the decode step's router GEMM (`router_logits`) and SwiGLU (`swiglu`) Triton launches vs
+the torch ops they replace, CUDA-graph replays at T = 1..256, glm5-flash-31b and GLM-5 shapes.
 
 Printed per row: time (us, median of triton.testing.do_bench with an L2 flush between runs),
 achieved TFLOP/s and TB/s, and their ratio to the measured H200 ceilings (perf_anchors.md §3.1:
@@ -312,6 +314,32 @@ def bench_small_m_pdl(rows, rounds=3):
         torch.cuda.empty_cache()
 
 
+def bench_decode_small_ops(rows, ts=(1, 8, 32, 64, 256)):
+    """The per-layer small ops of a decode step against the torch ops they replace, each a CUDA-graph
+    replay (as decode runs): `router_logits` (one Triton launch) vs x.float() + cuBLAS fp32 GEMM, and
+    `swiglu` (one launch) vs silu + product, at glm5-flash-31b (E 64, D 2048, I 1536) and GLM-5 (E 256,
+    D 6144, I 2048) shapes. Bytes: what the op must read and write."""
+    import torch.nn.functional as F
+
+    from glm_ray.kernels.cuda.routing import router_logits
+    from glm_ray.kernels.cuda.swiglu import swiglu
+    from glm_ray.kernels.torch_ref.moe import swiglu as ref_swiglu
+    for geo, e, d, inter in (("flash", 64, 2048, 1536), ("glm5", 256, 6144, 2048)):
+        w = torch.randn(e, d, device=DEV) * d ** -0.5
+        for t in ts:
+            x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16)
+            nbytes = e * d * 4 + t * d * 2 + t * e * 4
+            for v, fn in (("triton", lambda: router_logits(x, w)), ("torch", lambda: F.linear(x.float(), w))):
+                rows.append(row("small", f"{geo}.router", v, t, bench_graph_ms(fn), 2.0 * t * e * d, nbytes,
+                                CEIL["bf16_tflops"]))
+            gu = torch.randn(t, 2 * inter, device=DEV, dtype=torch.bfloat16)
+            nbytes = t * inter * 2 * 3
+            for v, fn in (("triton", lambda: swiglu(gu[:, :inter], gu[:, inter:])),
+                          ("torch", lambda: ref_swiglu(gu[:, :inter], gu[:, inter:]))):
+                rows.append(row("small", f"{geo}.swiglu", v, t, bench_graph_ms(fn), 4.0 * t * inter, nbytes,
+                                CEIL["bf16_tflops"]))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON output path")
@@ -324,6 +352,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="--small-m-sweep stops after this long")
     ap.add_argument("--small-m-pdl", action="store_true",
                     help="only the fused small-M kernel with and without programmatic dependent launch")
+    ap.add_argument("--decode-small-ops", action="store_true",
+                    help="only the decode step's small ops (router GEMM, SwiGLU) vs the torch ops they replace")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device", file=sys.stderr)
@@ -344,7 +374,9 @@ def main(argv=None) -> int:
     print(json.dumps(info), flush=True)
     rows: list[dict] = []
     t0 = time.time()
-    if a.small_m_pdl:
+    if a.decode_small_ops:
+        bench_decode_small_ops(rows)
+    elif a.small_m_pdl:
         bench_small_m_pdl(rows)
     elif a.small_m_sweep:
         if ck.tk is None:

@@ -117,14 +117,15 @@ def _router_logits_kernel(x_ptr, w_ptr, o_ptr, T, stride_xt, stride_we, stride_o
     ex_ok = ex < E
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt                   # [BT, 1]
     w_rows = w_ptr + ex.to(tl.int64)[:, None] * stride_we                     # [BE, 1]
-    acc = tl.zeros([BT, BE], dtype=tl.float32)
+    acc = tl.zeros([BT, BE, BK], dtype=tl.float32)                            # per-lane partial sums
     for k0 in range(0, D, BK):
         k = k0 + tl.arange(0, BK)                                             # [BK]
         k_ok = k < D
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BT, BK]
         w = tl.load(w_rows + k[None, :], mask=ex_ok[:, None] & k_ok[None, :], other=0.0)                 # [BE, BK]
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)                  # [BT, BE]
-    tl.store(o_ptr + rows[:, None] * stride_ot + ex[None, :], acc, mask=row_ok[:, None] & ex_ok[None, :])
+        acc += x[:, None, :] * w[None, :, :]                                  # [BT, BE, BK]: no reduction per step
+    logits = tl.sum(acc, axis=2)                                              # [BT, BE]: one cross-lane sum
+    tl.store(o_ptr + rows[:, None] * stride_ot + ex[None, :], logits, mask=row_ok[:, None] & ex_ok[None, :])
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
