@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from glm_ray import kernels
+from glm_ray import envs, kernels
 from glm_ray.config import ModelConfig
 from glm_ray.distributed.parallel_state import all_reduce, tp_rank
+from glm_ray.kernels.streams import on_side, side_stream_for
 from glm_ray.layer_contracts import LayerKind, MoEContract
 from glm_ray.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from glm_ray.weights import load_sharded, set_weight_attrs
@@ -102,6 +103,7 @@ class MoE(nn.Module):
                                 quant_config=quant_config, prefix=f"{prefix}.experts", params_dtype=params_dtype,
                                 contract=MoEContract(swiglu_limit=cfg.swiglu_limit), tp=tp)
         self.shared_experts = None
+        self.side_stream_tokens = envs.SHARED_EXPERT_STREAM_TOKENS.get()      # decode sizes fork the shared experts
         if cfg.n_shared_experts:
             self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                       quant_config=quant_config, prefix=f"{prefix}.shared_experts",
@@ -109,8 +111,19 @@ class MoE(nn.Module):
                                       reduce_results=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = None
+        if self.shared_experts is not None:
+            side = side_stream_for(x, self.side_stream_tokens)
+        if side is not None:                                                     # decode: fork the shared experts
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)
+            with on_side(side):
+                shared = self.shared_experts(x)                                  # [T, D]
         topk_weights, topk_ids = self.gate(x)                                    # [T, K] each
         y = self.experts(x, topk_weights, topk_ids)                              # [T, D] partial over TP
-        if self.shared_experts is not None:
+        if side is not None:
+            main.wait_stream(side)                                               # join before the sum
+            y = y + shared
+        elif self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return all_reduce(y)

@@ -158,3 +158,21 @@ def test_step_timeline_with_graphs(oracle_dir, monkeypatch):
             assert all(s.worker_timings["device"] <= s.step_s for s in steps)
         assert summarize_steps(steps)["gap_ms"] >= 0
         del llm
+
+
+def test_shared_expert_side_stream_equals_one_stream(oracle_dir, monkeypatch):
+    """MoE layers of <= GLM_RAY_SHARED_EXPERT_STREAM_TOKENS tokens fork their shared experts onto a side
+    stream (kernels/streams.py), inside the decode graphs too: the same kernels on the same inputs, so
+    the same greedy tokens and the same logprobs bit for bit as one stream."""
+    from glm_ray.kernels import streams
+    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setenv("GLM_RAY_SHARED_EXPERT_STREAM_TOKENS", "0")
+    one, runner = _run(oracle_dir, "float32", False)
+    moes = [m for m in runner.model.modules() if type(m).__name__ == "MoE"]
+    assert moes and all(m.shared_experts is not None and m.side_stream_tokens == 0 for m in moes)
+    monkeypatch.setenv("GLM_RAY_SHARED_EXPERT_STREAM_TOKENS", "64")
+    two, runner = _run(oracle_dir, "float32", False)
+    assert runner.num_graph_steps >= 60 and streams._STREAMS                # the fork ran (and was captured)
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

@@ -142,7 +142,7 @@ def test_interp_last_program_reduces_like_the_sum_kernel(sm, m, n, k, split):
     assert sm.small_m_config(m, n, k, split_k=split).split == split
     assert torch.equal(one, two)
     _check(one, x, w, s, False)
-    counters = sm._counters[("cpu", None)]
+    counters = sm._counters[("cpu", None, 0)]
     assert int(counters.abs().sum()) == 0
     assert torch.equal(one, sm.block_fp8_linear_small_m(x, w, s, out_dtype=torch.float32, split_k=split))
     with pytest.raises(AssertionError):

@@ -92,3 +92,23 @@ def test_glm53_flash_layers_call_the_ops(tmp_path, spy_backend):
     for name in ("mla_prefill", "mla_decode", "indexer_kpool_topk", "causal_conv1d", "kda_chunked", "kda_decode",
                  "swiglu"):
         assert spy_backend[name] > 0, (name, spy_backend)
+
+
+def test_stream_lanes_and_no_side_stream_off_gpu():
+    """kernels/streams.py: the lane is 1 only inside `on_side` (nested and restored after errors); a CPU
+    tensor never gets a side stream, whatever the limit."""
+    from glm_ray.kernels import streams
+    assert streams.lane() == 0
+    with streams.on_side(None):                                  # torch.cuda.stream(None) is a no-op
+        assert streams.lane() == 1
+        with streams.on_side(None):
+            assert streams.lane() == 1
+        assert streams.lane() == 1
+    assert streams.lane() == 0
+    try:
+        with streams.on_side(None):
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    assert streams.lane() == 0
+    assert streams.side_stream_for(torch.zeros(4, 8), 64) is None

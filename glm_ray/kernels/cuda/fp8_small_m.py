@@ -57,6 +57,7 @@ import triton.language as tl
 
 from glm_ray.kernels.cuda.layout import cdiv
 from glm_ray.kernels.cuda.triton_kernels import ACT_EPS, FP8_MAX, INTERPRET, _fp8_group_quant
+from glm_ray.kernels.streams import lane
 
 MAX_M = 64                      # the design point: BM <= 64 rows in one tile
 GROUP = 128                     # activation quant group = weight block (both 128 along K)
@@ -223,14 +224,16 @@ def _split_k_sum_kernel(p_ptr, o_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constex
 # launcher
 # --------------------------------------------------------------------------------------------
 
-_counters: dict[tuple[str, int | None], torch.Tensor] = {}
+_counters: dict[tuple[str, int | None, int], torch.Tensor] = {}
 
 
 def _arrival_counters(device: torch.device) -> torch.Tensor | None:
-    """The device's zeroed int32 arrival counters for reduce="last" (each launch leaves them at 0), or
-    None while a CUDA graph is being captured before they exist (allocating them there would put a
-    memset into the graph and the buffer into its private pool)."""
-    key = (device.type, device.index)
+    """The zeroed int32 arrival counters for reduce="last" of the device and the current stream lane
+    (kernels/streams.py: each launch leaves them at 0; a layer's side lane has its own, so launches that
+    run concurrently on two streams never share a counter), or None while a CUDA graph is being captured
+    before they exist (allocating them there would put a memset into the graph and the buffer into its
+    private pool)."""
+    key = (device.type, device.index, lane())
     buf = _counters.get(key)
     if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
