@@ -127,10 +127,11 @@ CUDA_MOE_DECODE_PAIRS: EnvVar[int] = EnvVar(
     "expert) pairs run the sort-free two-launch decode kernel (kernels/cuda/moe_decode.py); 0 = off (the "
     "grouped kernels). 4: one glm5-flash-31b token (H200, fp8: 30 vs 48 us; at 8-32 pairs the grouped "
     "kernels were as fast or faster)", "int")
-SHARED_EXPERT_STREAM_TOKENS: EnvVar[int] = EnvVar(
-    "GLM_RAY_SHARED_EXPERT_STREAM_TOKENS", _nonneg_int, 64, "on a GPU, MoE layers of at most this many tokens "
-    "run their shared experts on a second stream beside the router and the routed experts (a fork and a "
-    "join inside the decode CUDA graph, as sglang's alt_stream); the sum is the same; 0 = off", "int")
+SIDE_STREAM_TOKENS: EnvVar[int] = EnvVar(
+    "GLM_RAY_SIDE_STREAM_TOKENS", _nonneg_int, 64, "on a GPU, layers of at most this many tokens fork "
+    "independent work onto a second stream (kernels/streams.py; a fork and a join inside the decode CUDA "
+    "graph, as sglang's alt_stream): MoE shared experts beside the router and routed experts, MLA's cache "
+    "writes (latent row, index keys) beside the query path; the same results; 0 = off", "int")
 CUDA_INDEXER_TOPK: EnvVar[str] = EnvVar(
     "GLM_RAY_CUDA_INDEXER_TOPK", _choice("triton", "torch"), "triton", "cuda backend: top-k of the DSA indexer's "
     "decode path: the multi-program Triton radix select (kernels/cuda/topk.py) or torch.topk")
@@ -169,7 +170,7 @@ LOG_LEVEL: EnvVar[str] = EnvVar(
 
 ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_THREADS, ORCHESTRATION,
                            TIME_COLLECTIVES, STEP_TIMELINE, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
-                           CUDA_MOE_DECODE_PAIRS, SHARED_EXPERT_STREAM_TOKENS, CUDA_INDEXER_TOPK,
+                           CUDA_MOE_DECODE_PAIRS, SIDE_STREAM_TOKENS, CUDA_INDEXER_TOPK,
                            LOG_TRITON_COMPILES, KERNEL_WARMUP,
                            STEP_TIMEOUT_S, FAULT_INJECTION,
                            TEST_FORCED_OUTPUT, GRAMMAR_THREADS, GRAMMAR_CACHE_MB, LOG_STATS_INTERVAL_S, LOG_LEVEL)

@@ -19,7 +19,7 @@ added by the last program or by a second launch) and the backend path at the glm
 M in {1, 16, 64}, each timed as R back-to-back calls on R distinct weight copies (R x bytes >= 3 x L2) in one
 CUDA graph, per call: what a decode step pays (in-graph launch gaps included, weights from HBM).
 `--small-m-pdl`: the same chains with the fused kernel launched as programmatic dependent launches or not.
-`--decode-small-ops`: the decode step's router GEMM (`router_logits`) and SwiGLU (`swiglu`) Triton launches vs
+`--decode-small-ops`: the decode step's router GEMM (`fp32_linear`) and SwiGLU (`swiglu`) Triton launches vs
 the torch ops they replace, CUDA-graph replays at T = 1..256, glm5-flash-31b and GLM-5 shapes.
 
 Printed per row: time (us, median of triton.testing.do_bench with an L2 flush between runs),
@@ -316,12 +316,12 @@ def bench_small_m_pdl(rows, rounds=3):
 
 def bench_decode_small_ops(rows, ts=(1, 8, 32, 64, 256)):
     """The per-layer small ops of a decode step against the torch ops they replace, each a CUDA-graph
-    replay (as decode runs): `router_logits` (one Triton launch) vs x.float() + cuBLAS fp32 GEMM, and
+    replay (as decode runs): `fp32_linear` (one Triton launch) vs x.float() + cuBLAS fp32 GEMM, and
     `swiglu` (one launch) vs silu + product, at glm5-flash-31b (E 64, D 2048, I 1536) and GLM-5 (E 256,
     D 6144, I 2048) shapes. Bytes: what the op must read and write."""
     import torch.nn.functional as F
 
-    from glm_ray.kernels.cuda.routing import router_logits
+    from glm_ray.kernels.cuda.fp32_linear import fp32_linear
     from glm_ray.kernels.cuda.swiglu import swiglu
     from glm_ray.kernels.torch_ref.moe import swiglu as ref_swiglu
     for geo, e, d, inter in (("flash", 64, 2048, 1536), ("glm5", 256, 6144, 2048)):
@@ -329,7 +329,7 @@ def bench_decode_small_ops(rows, ts=(1, 8, 32, 64, 256)):
         for t in ts:
             x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16)
             nbytes = e * d * 4 + t * d * 2 + t * e * 4
-            for v, fn in (("triton", lambda: router_logits(x, w)), ("torch", lambda: F.linear(x.float(), w))):
+            for v, fn in (("triton", lambda: fp32_linear(x, w)), ("torch", lambda: F.linear(x.float(), w))):
                 rows.append(row("small", f"{geo}.router", v, t, bench_graph_ms(fn), 2.0 * t * e * d, nbytes,
                                 CEIL["bf16_tflops"]))
             gu = torch.randn(t, 2 * inter, device=DEV, dtype=torch.bfloat16)

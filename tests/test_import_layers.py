@@ -48,6 +48,7 @@ DEFERRED = {
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.indexer"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.routing"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.swiglu"): "triton, only on the cuda backend",
+    ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.fp32_linear"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.fp8_small_m"): "triton, only on the cuda backend",
     ("glm_ray.bench.indexer", "glm_ray.kernels.cuda.indexer"): "triton: `--help` works without it",
     ("glm_ray.serve.engine_host", "glm_ray.worker.step_channel"): "TP > 1 only",

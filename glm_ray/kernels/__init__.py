@@ -20,11 +20,12 @@ from glm_ray.kernels import aiter, cuda
 from glm_ray.kernels.table import KernelOps
 from glm_ray.kernels.torch_ref import attention, block_fp8_linear, cache_write, fused_moe, indexer, kda
 from glm_ray.kernels.torch_ref import quant_ops as q
+from glm_ray.kernels.torch_ref.linear import fp32_linear
 from glm_ray.kernels.torch_ref.mhc import mhc_coefficients
 from glm_ray.kernels.torch_ref.moe import swiglu
 from glm_ray.kernels.torch_ref.norm import rms_norm
 from glm_ray.kernels.torch_ref.rope import rope_inplace
-from glm_ray.kernels.torch_ref.routing import moe_routing, router_logits
+from glm_ray.kernels.torch_ref.routing import moe_routing
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def _torch_ops() -> KernelOps:
                      mla_prefill=attention.mla_prefill, mla_decode=attention.mla_decode,
                      indexer_topk=indexer.indexer_topk, indexer_kpool_topk=indexer.indexer_kpool_topk,
                      causal_conv1d=kda.causal_conv1d_cached, kda_chunked=kda.kda_chunked_cached, swiglu=swiglu,
-                     moe_routing=moe_routing, router_logits=router_logits, rms_norm=rms_norm,
+                     moe_routing=moe_routing, fp32_linear=fp32_linear, rms_norm=rms_norm,
                      mla_kv_write=cache_write.mla_kv_write,
                      indexer_key_write=cache_write.indexer_key_write, rope_inplace=rope_inplace)
 

@@ -74,9 +74,10 @@ class KernelOps:
     # (padding rows k = v = g = beta = 0), state [S, H, dk, dv] fp32 updated in place at slots [B], fresh [B]
     # bool) -> o [B, L, H, dv]
     kda_chunked: Callable | None = None
-    # the router GEMM: (x [T, D], weight [E, D] fp32) -> logits [T, E] fp32 = x.float() @ weight.T (fp32 products;
-    # a kernel may sum in another order) — kernels/torch_ref/routing.py
-    router_logits: Callable | None = None
+    # an fp32 GEMM of (bf16) activations (the MoE router logits, the DSA indexer's head weights): (x [T, D],
+    # weight [N, D] fp32) -> [T, N] fp32 = x.float() @ weight.T (fp32 products; a kernel may sum in another
+    # order) — kernels/torch_ref/linear.py
+    fp32_linear: Callable | None = None
     # MoE routing after the router GEMM: (logits [T, E] fp32, bias [E] fp32 | None (selection only), *, top_k,
     # n_group, topk_group, renormalize, scale) -> weights [T, K] fp32 (un-biased sigmoid, renormalized, scaled),
     # ids [T, K] int32 (descending biased score) — kernels/torch_ref/routing.py

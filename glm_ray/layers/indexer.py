@@ -59,7 +59,8 @@ class Indexer(nn.Module):
         qi = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)           # [T, Hi, di]
         if self.rope_dim:                                                     # rope FIRST, in place (NoPE: none)
             kernels.ops().rope_inplace(qi, rope.cos, rope.sin, self.interleave, 0)
-        w = torch.mul(self.weights_proj(x.float()), self.n_heads ** -0.5, out=w_out)   # [T, Hi] fp32
+        w = kernels.ops().fp32_linear(x, self.weights_proj.weight)             # [T, Hi] fp32 = weights_proj(x.float())
+        w = torch.mul(w, self.n_heads ** -0.5, out=w_out)
         return (qi if qi_out is None else qi_out.copy_(qi)), w
 
     def select(self, group: AttnGroup, queries: tuple[torch.Tensor, torch.Tensor],

@@ -14,6 +14,8 @@ mla_mode "auto") as a kernel op: `mla_decode` (latent attention; the W_UK / W_UV
 indexer, one per group: None (dense causal, while every context fits in index_topk), the top-k key
 positions [B, Qmax, k] int32 (GLM-5's indexer: attention reads only those latents) or a boolean mask
 (GLM-5.3-Flash's k-pool indexer); "shared" layers (IndexShare) reuse the previous full layer's selections.
+At decode sizes (<= GLM_RAY_SIDE_STREAM_TOKENS tokens on a GPU) the cache writes run on a side stream
+beside the query path and join before `project` returns (kernels/streams.py).
 """
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glm_ray import kernels
+from glm_ray import envs, kernels
 from glm_ray.config import ModelConfig
 from glm_ray.forward_batch import AttnGroup, ForwardBatch
+from glm_ray.kernels.streams import on_side, side_stream_for
 from glm_ray.layers.indexer import Indexer
 from glm_ray.layers.kpool_indexer import KPoolIndexer
 from glm_ray.layers.linear import ColumnParallelLinear, MergedReplicatedLinear, ReplicatedLinear, RowParallelLinear
@@ -55,6 +58,7 @@ class MLAAttention(nn.Module):
         self.scale = cfg.softmax_scale
         self.interleave = cfg.rope_interleave
         self.layer_idx = layer_idx
+        self.side_stream_tokens = envs.SIDE_STREAM_TOKENS.get()                # decode: cache writes on a side stream
         qk = self.dn + self.dr
         common = dict(quant_config=quant_config, params_dtype=params_dtype)
         self.rq = cfg.q_lora_rank
@@ -115,6 +119,14 @@ class MLAAttention(nn.Module):
         else:
             qa = self.q_a_proj(x) if self.rq else None                          # [T, rq]
             ckv = self.kv_a_proj_with_mqa(x)                                    # [T, r+dr]
+        side = side_stream_for(x, self.side_stream_tokens)                     # decode: cache writes beside q
+        if side is not None:
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)
+            with on_side(side):
+                self._write_caches(x, ckv, batch, rope, kv_cache, index_cache)
+        else:
+            self._write_caches(x, ckv, batch, rope, kv_cache, index_cache)
         if self.rq:
             q_resid = self.q_a_layernorm(qa)                                    # [T, rq]
             q = self.q_b_proj(q_resid)
@@ -125,16 +137,22 @@ class MLAAttention(nn.Module):
             kernels.ops().rope_inplace(q, rope.cos, rope.sin, self.interleave, self.dn)
         if "q" in out:
             q = out["q"].copy_(q)
-        # cache row [kv_a_layernorm(c) | rope(k_pe)] at slot_mapping: one `mla_kv_write` op
+        iq = None
+        if self.indexer is not None and index_queries:
+            iq = self.indexer.queries(x, q_resid, rope, out.get("iq"), out.get("iw"))   # [T, Hi, di], [T, Hi]
+        if side is not None:
+            main.wait_stream(side)                                              # the caches are written
+        return MLAQuery(q, iq)
+
+    def _write_caches(self, x: torch.Tensor, ckv: torch.Tensor, batch: ForwardBatch, rope: RopeCache | None,
+                      kv_cache: torch.Tensor, index_cache: torch.Tensor | None) -> None:
+        """The step's cache rows: [kv_a_layernorm(c) | rope(k_pe)] at slot_mapping (one `mla_kv_write` op)
+        and the indexer's keys."""
         cos, sin = (rope.cos, rope.sin) if self.dr else (None, None)           # [T, dr] each
         kernels.ops().mla_kv_write(ckv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin,
                                    self.interleave, kv_cache, batch.slot_mapping)
-        iq = None
         if self.indexer is not None:
             self.indexer.write_keys(x, batch, rope, index_cache)
-            if index_queries:
-                iq = self.indexer.queries(x, q_resid, rope, out.get("iq"), out.get("iw"))   # [T, Hi, di], [T, Hi]
-        return MLAQuery(q, iq)
 
     def attend(self, query: MLAQuery, batch: ForwardBatch, kv_cache: torch.Tensor, index_cache: torch.Tensor | None,
                prev_mask: tuple[torch.Tensor | None, ...] | None, out: torch.Tensor | None = None

@@ -37,8 +37,8 @@ class TopKRouter(nn.Module):
         load_sharded(param, ckpt, shard_dim=None, rank=0, tp=1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (weights [T, K] fp32, ids [T, K] int32): the `router_logits` GEMM, then `moe_routing`."""
-        logits = kernels.ops().router_logits(x, self.weight)                     # [T, E] fp32
+        """x [T, D] -> (weights [T, K] fp32, ids [T, K] int32): the `fp32_linear` GEMM, then `moe_routing`."""
+        logits = kernels.ops().fp32_linear(x, self.weight)                       # [T, E] fp32
         return kernels.ops().moe_routing(logits, self.e_score_correction_bias, top_k=self.top_k,
                                          n_group=self.n_group, topk_group=self.topk_group,
                                          renormalize=self.norm_topk_prob, scale=self.scale)
@@ -103,7 +103,7 @@ class MoE(nn.Module):
                                 quant_config=quant_config, prefix=f"{prefix}.experts", params_dtype=params_dtype,
                                 contract=MoEContract(swiglu_limit=cfg.swiglu_limit), tp=tp)
         self.shared_experts = None
-        self.side_stream_tokens = envs.SHARED_EXPERT_STREAM_TOKENS.get()      # decode sizes fork the shared experts
+        self.side_stream_tokens = envs.SIDE_STREAM_TOKENS.get()         # decode sizes fork the shared experts
         if cfg.n_shared_experts:
             self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                       quant_config=quant_config, prefix=f"{prefix}.shared_experts",

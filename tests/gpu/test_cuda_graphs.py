@@ -161,16 +161,17 @@ def test_step_timeline_with_graphs(oracle_dir, monkeypatch):
 
 
 def test_shared_expert_side_stream_equals_one_stream(oracle_dir, monkeypatch):
-    """MoE layers of <= GLM_RAY_SHARED_EXPERT_STREAM_TOKENS tokens fork their shared experts onto a side
-    stream (kernels/streams.py), inside the decode graphs too: the same kernels on the same inputs, so
-    the same greedy tokens and the same logprobs bit for bit as one stream."""
+    """Layers of <= GLM_RAY_SIDE_STREAM_TOKENS tokens fork work onto a side stream (kernels/streams.py: MoE
+    shared experts, MLA cache writes), inside the decode graphs too: the same kernels on the same inputs,
+    so the same greedy tokens and the same logprobs bit for bit as one stream."""
     from glm_ray.kernels import streams
     torch.backends.cuda.matmul.allow_tf32 = False
-    monkeypatch.setenv("GLM_RAY_SHARED_EXPERT_STREAM_TOKENS", "0")
+    monkeypatch.setenv("GLM_RAY_SIDE_STREAM_TOKENS", "0")
     one, runner = _run(oracle_dir, "float32", False)
     moes = [m for m in runner.model.modules() if type(m).__name__ == "MoE"]
     assert moes and all(m.shared_experts is not None and m.side_stream_tokens == 0 for m in moes)
-    monkeypatch.setenv("GLM_RAY_SHARED_EXPERT_STREAM_TOKENS", "64")
+    assert all(m.side_stream_tokens == 0 for m in runner.model.modules() if type(m).__name__ == "MLAAttention")
+    monkeypatch.setenv("GLM_RAY_SIDE_STREAM_TOKENS", "64")
     two, runner = _run(oracle_dir, "float32", False)
     assert runner.num_graph_steps >= 60 and streams._STREAMS                # the fork ran (and was captured)
     for a, b in zip(one, two):

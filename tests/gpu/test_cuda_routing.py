@@ -69,14 +69,14 @@ def test_cuda_routing_graph_replay(e, k, n_group, topk_group):
 
 # ---- the router GEMM and the SwiGLU kernel, at glm5-flash-31b / GLM-5 shapes ---------------------------
 @pytest.mark.parametrize("t", [1, 8, 64, 256])
-@pytest.mark.parametrize("e,d", [(64, 2048), (256, 6144)])
-def test_cuda_router_logits_matches_reference(t, e, d):
-    from glm_ray.kernels.cuda.routing import router_logits
-    from glm_ray.kernels.torch_ref.routing import router_logits as ref
+@pytest.mark.parametrize("e,d", [(64, 2048), (256, 6144), (32, 2048), (64, 6144)])   # routers, indexer weights
+def test_cuda_fp32_linear_matches_reference(t, e, d):
+    from glm_ray.kernels.cuda.fp32_linear import fp32_linear
+    from glm_ray.kernels.torch_ref.linear import fp32_linear as ref
     g = torch.Generator().manual_seed(t)
     x = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEV)
     w = (torch.randn(e, d, generator=g) * d ** -0.5).to(DEV)
-    out, want = router_logits(x, w), ref(x, w)
+    out, want = fp32_linear(x, w), ref(x, w)
     exact = x.double() @ w.double().T                                        # both within fp32 round-off of it
     scale = (x.double().abs() @ w.double().abs().T).max().item()
     assert (out.double() - exact).abs().max().item() <= 1e-6 * scale

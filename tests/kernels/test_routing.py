@@ -164,35 +164,37 @@ def test_kernel_empty_batch():
     assert w.shape == (0, 4) and ids.shape == (0, 4)
 
 
-# ---- the router GEMM (`router_logits`) and the SwiGLU kernel (kernels/cuda/swiglu.py) ----------------
-from glm_ray.kernels.cuda.layout import ROUTER_PROGRAMS, router_logits_config  # noqa: E402
+# ---- the router GEMM (`fp32_linear`, kernels/cuda/fp32_linear.py) and SwiGLU (kernels/cuda/swiglu.py) --------
+from glm_ray.kernels.cuda.layout import FP32_LINEAR_PROGRAMS, fp32_linear_config  # noqa: E402
+from glm_ray.kernels.torch_ref.linear import fp32_linear as ref_fp32_linear  # noqa: E402
 from glm_ray.kernels.torch_ref.moe import swiglu as ref_swiglu  # noqa: E402
-from glm_ray.kernels.torch_ref.routing import router_logits as ref_router_logits  # noqa: E402
+
+triton_fp32_linear = pytest.importorskip("glm_ray.kernels.cuda.fp32_linear", reason="triton not importable")
 
 
 @pytest.mark.parametrize("t,e,d", [(1, 64, 2048), (64, 64, 2048), (1, 256, 6144), (256, 256, 6144), (3, 160, 1000)])
-def test_router_logits_config(t, e, d):
-    bt, be, bk = router_logits_config(t, e, d)
+def test_fp32_linear_config(t, e, d):
+    bt, be, bk = fp32_linear_config(t, e, d)
     assert bt * be * bk <= 4096 and bk >= 32 and be <= 16 and bt <= 16      # registers a thread at 4 warps
     for v in (bt, be, bk):
         assert v & (v - 1) == 0                                              # tl.arange needs powers of two
     programs = -(-e // be) * -(-t // bt)
-    assert programs >= min(ROUTER_PROGRAMS // 2, e * -(-t // bt))           # the launch fills the SMs
+    assert programs >= min(FP32_LINEAR_PROGRAMS // 2, e * -(-t // bt))           # the launch fills the SMs
 
 
 @pytest.mark.parametrize("t,e,d", [(1, 64, 256), (5, 12, 200), (19, 40, 96)])
-def test_router_logits_kernel_matches_reference(t, e, d):
+def test_fp32_linear_kernel_matches_reference(t, e, d):
     g = torch.Generator().manual_seed(t)
     x = torch.randn(t, d, generator=g).to(torch.bfloat16)
     w = torch.randn(e, d, generator=g)
-    out = triton_routing.router_logits(x, w)
-    ref = ref_router_logits(x, w)                                            # F.linear(x.float(), w)
+    out = triton_fp32_linear.fp32_linear(x, w)
+    ref = ref_fp32_linear(x, w)                                              # F.linear(x.float(), w)
     assert out.dtype == torch.float32 and out.shape == (t, e)
     # the same fp32 products summed in another order: within fp32 round-off of the dot's magnitude
     assert (out - ref).abs().max().item() <= 1e-5 * (x.float().abs() @ w.abs().T).max().item()
     strided = torch.randn(t, 2 * d, generator=g).to(torch.bfloat16)[:, :d]  # row stride 2d
-    assert torch.allclose(triton_routing.router_logits(strided, w), ref_router_logits(strided, w), rtol=1e-5, atol=1e-4)
-    assert triton_routing.router_logits(x[:0], w).shape == (0, e)
+    assert torch.allclose(triton_fp32_linear.fp32_linear(strided, w), ref_fp32_linear(strided, w), rtol=1e-5, atol=1e-4)
+    assert triton_fp32_linear.fp32_linear(x[:0], w).shape == (0, e)
 
 
 triton_swiglu = pytest.importorskip("glm_ray.kernels.cuda.swiglu", reason="triton not importable")

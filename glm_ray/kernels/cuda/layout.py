@@ -238,15 +238,15 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-ROUTER_MAX_T = 256          # above: cuBLAS's fp32 GEMM (prefill sizes), below: `router_logits`'s one launch
-ROUTER_PROGRAMS = 128       # programs a launch aims at (~one per H200 SM)
+FP32_LINEAR_MAX_T = 256     # above: cuBLAS's fp32 GEMM (prefill sizes), below: `fp32_linear`'s one launch
+FP32_LINEAR_PROGRAMS = 128  # programs a launch aims at (~one per H200 SM)
 
 
-def router_logits_config(T: int, E: int, D: int) -> tuple[int, int, int]:
-    """(BT, BE, BK): tokens x experts per program so that a launch has ~ROUTER_PROGRAMS programs, and a
-    [BT, BE, BK] product tile of <= 4096 fp32 (32 registers a thread at 4 warps). Shapes only."""
+def fp32_linear_config(T: int, N: int, D: int) -> tuple[int, int, int]:
+    """(BT, BN, BK): tokens x outputs per program so that a launch has ~FP32_LINEAR_PROGRAMS programs, and a
+    [BT, BN, BK] product tile of <= 4096 fp32 (32 registers a thread at 4 warps). Shapes only."""
     bt = min(16, next_pow2(max(T, 1)))
-    want = E * cdiv(max(T, 1), bt) // ROUTER_PROGRAMS
-    be = max(1, min(16, next_pow2(max(want, 1)), next_pow2(E), 4096 // (32 * bt)))
-    bk = max(32, min(next_pow2(D), 4096 // (bt * be)))
-    return bt, be, bk
+    want = N * cdiv(max(T, 1), bt) // FP32_LINEAR_PROGRAMS
+    bn = max(1, min(16, next_pow2(max(want, 1)), next_pow2(N), 4096 // (32 * bt)))
+    bk = max(32, min(next_pow2(D), 4096 // (bt * bn)))
+    return bt, bn, bk

@@ -32,8 +32,8 @@
   decode, a row per query token with its causal length in prefill — then the multi-program radix select
   of topk.py (GLM_RAY_CUDA_INDEXER_TOPK=torch: torch.topk). Reference when: not CUDA, sm < 80.
 * moe_routing: one Triton kernel (routing.py). Reference when: not CUDA, sm < 70, E > 1024.
-* router_logits: one Triton launch at decode sizes (routing.py, T <= ROUTER_MAX_T); cuBLAS's fp32 GEMM
-  (the reference) above it and when: not CUDA, sm < 70.
+* fp32_linear (router logits, indexer head weights): one Triton launch at decode sizes (fp32_linear.py,
+  T <= FP32_LINEAR_MAX_T); cuBLAS's fp32 GEMM (the reference) above it and when: not CUDA, sm < 70.
 * swiglu: one Triton launch (swiglu.py; torch runs silu and the product as two). Reference when: not
   CUDA, sm < 80, not bf16/fp16, gate / up not [T, I] with unit last strides.
 * mla_kv_write / indexer_key_write: norm + rope + cast + scatter of a token's cache row in one Triton launch
@@ -78,13 +78,13 @@ from glm_ray.kernels.torch_ref import quant_ops as ref
 from glm_ray.kernels.torch_ref.fp8 import FP8_DTYPE, per_token_group_quant_fp8
 from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
 from glm_ray.kernels.torch_ref.kda import kda_decode as ref_kda_decode
+from glm_ray.kernels.torch_ref.linear import fp32_linear as ref_fp32_linear
 from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref_mhc
 from glm_ray.kernels.torch_ref.moe import swiglu as ref_swiglu
 from glm_ray.kernels.torch_ref.mxfp4 import canonical_scale_mode
 from glm_ray.kernels.torch_ref.norm import rms_norm as ref_rms_norm
 from glm_ray.kernels.torch_ref.rope import rope_inplace as ref_rope_inplace
 from glm_ray.kernels.torch_ref.routing import moe_routing as ref_moe_routing
-from glm_ray.kernels.torch_ref.routing import router_logits as ref_router_logits
 
 logger = logging.getLogger(__name__)
 
@@ -486,14 +486,14 @@ class CudaKernels:
         from glm_ray.kernels.cuda.routing import moe_routing as fast  # noqa: PLC0415 (imports triton)
         return self._guarded("moe_routing", lambda: fast(logits, bias, **kw), lambda: ref_moe_routing(logits, bias, **kw))
 
-    def router_logits(self, x, weight):
+    def fp32_linear(self, x, weight):
         reason = self._gpu_reason(x, 70, need_triton=True)
-        if reason is not None or x.dim() != 2 or x.shape[0] > L.ROUTER_MAX_T:
+        if reason is not None or x.dim() != 2 or x.shape[0] > L.FP32_LINEAR_MAX_T:
             if reason is not None:
-                self._fallback("router_logits", reason)
-            return ref_router_logits(x, weight)
-        from glm_ray.kernels.cuda.routing import router_logits as fast  # noqa: PLC0415 (imports triton)
-        return self._guarded("router_logits", lambda: fast(x, weight), lambda: ref_router_logits(x, weight))
+                self._fallback("fp32_linear", reason)
+            return ref_fp32_linear(x, weight)
+        from glm_ray.kernels.cuda.fp32_linear import fp32_linear as fast  # noqa: PLC0415 (imports triton)
+        return self._guarded("fp32_linear", lambda: fast(x, weight), lambda: ref_fp32_linear(x, weight))
 
     def swiglu(self, gate, up, limit=None):
         reason = (self._gpu_reason(gate, 80, need_triton=True)
@@ -575,6 +575,6 @@ def make_ops(fp8_gemm: str | None = None):
                      fused_moe_mxfp4=k.fused_moe_mxfp4, mxfp4_linear=k.mxfp4_linear,
                      mhc_coefficients=k.mhc_coefficients, kda_decode=k.kda_decode, mla_decode=k.mla_decode,
                      mla_prefill=k.mla_prefill, indexer_topk=k.indexer_topk, moe_routing=k.moe_routing,
-                     router_logits=k.router_logits, swiglu=k.swiglu,
+                     fp32_linear=k.fp32_linear, swiglu=k.swiglu,
                      rms_norm=k.rms_norm, rope_inplace=k.rope_inplace,
                      mla_kv_write=k.mla_kv_write, indexer_key_write=k.indexer_key_write)

@@ -15,19 +15,12 @@ add as the reference); the topk_group groups of largest (score, lowest index) ar
 Weights are the un-biased sigmoids re-read at the chosen ids (same op on the same input, so the same
 bits as the selection pass), renormalized with IEEE division and scaled.
 Grid and constexprs depend on shapes and config only (CUDA-graph capturable, no host syncs).
-
-`router_logits` (decode-sized T) is the router GEMM before it: fp32 logits of the bf16 hidden states against
-the fp32 router weight in ONE launch (torch: a cast of x to fp32, then cuBLAS's fp32 GEMV with its split-K
-reduction or a SIMT sgemm: 2-3 launches a layer). Programs tile (tokens x experts) and walk D in fp32
-FMAs of the exact products (the sum order differs from cuBLAS: equal within fp32 rounding, not bitwise).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from glm_ray.kernels.cuda.layout import router_logits_config
 
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
@@ -105,44 +98,6 @@ def _moe_routing_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_t, scale
     out = rows[:, None] * K + kcol[None, :]                                   # [BT, KP]
     tl.store(w_ptr + out, w, mask=ok)
     tl.store(ids_ptr + out, ids, mask=ok)
-
-
-@triton.jit(do_not_specialize=['T'])   # sizes that change per step: no recompiles (cuda/__init__)
-def _router_logits_kernel(x_ptr, w_ptr, o_ptr, T, stride_xt, stride_we, stride_ot,
-                          E: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
-    pid_e = tl.program_id(0)
-    rows = tl.program_id(1) * BT + tl.arange(0, BT)                           # [BT] tokens
-    ex = pid_e * BE + tl.arange(0, BE)                                        # [BE] experts
-    row_ok = rows < T
-    ex_ok = ex < E
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt                   # [BT, 1]
-    w_rows = w_ptr + ex.to(tl.int64)[:, None] * stride_we                     # [BE, 1]
-    acc = tl.zeros([BT, BE, BK], dtype=tl.float32)                            # per-lane partial sums
-    for k0 in range(0, D, BK):
-        k = k0 + tl.arange(0, BK)                                             # [BK]
-        k_ok = k < D
-        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BT, BK]
-        w = tl.load(w_rows + k[None, :], mask=ex_ok[:, None] & k_ok[None, :], other=0.0)                 # [BE, BK]
-        acc += x[:, None, :] * w[None, :, :]                                  # [BT, BE, BK]: no reduction per step
-    logits = tl.sum(acc, axis=2)                                              # [BT, BE]: one cross-lane sum
-    tl.store(o_ptr + rows[:, None] * stride_ot + ex[None, :], logits, mask=row_ok[:, None] & ex_ok[None, :])
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, D] (bf16 / fp16 / fp32, unit last stride), weight [E, D] fp32 -> logits [T, E] fp32."""
-    T, D = x.shape
-    E = weight.shape[0]
-    assert weight.shape == (E, D) and weight.dtype == torch.float32, (weight.shape, weight.dtype)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    out = torch.empty(T, E, dtype=torch.float32, device=x.device)            # [T, E]
-    if T == 0:
-        return out
-    bt, be, bk = router_logits_config(T, E, D)
-    _router_logits_kernel[(triton.cdiv(E, be), triton.cdiv(T, bt))](
-        x, weight, out, T, x.stride(0), weight.stride(0), out.stride(0), E=E, D=D, BT=bt, BE=be, BK=bk, num_warps=4)
-    return out
 
 
 def _block_t(T: int, ep: int) -> int:

@@ -11,18 +11,12 @@ router logits to the top-k expert ids and their combine weights.
 
 This is exactly `TopKRouter.forward` (layers/moe.py) minus the GEMM, with ids as int32. About ten small
 launches per layer in torch; the cuda backend runs all of it as one Triton kernel (kernels/cuda/routing.py).
-The GEMM before it is `router_logits`: fp32 logits of the (bf16) hidden states against the fp32 router
-weight, as transformers' GLM-5 router computes them.
+The GEMM before it is `fp32_linear` (torch_ref/linear.py): fp32 logits of the (bf16) hidden states against
+the fp32 router weight, as transformers' GLM-5 router computes them.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, D] (any float dtype), weight [E, D] fp32 -> logits [T, E] fp32 = x.float() @ weight.T."""
-    return F.linear(x.float(), weight)
 
 
 def moe_routing(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, n_group: int, topk_group: int,
