@@ -14,8 +14,9 @@ mla_mode "auto") as a kernel op: `mla_decode` (latent attention; the W_UK / W_UV
 indexer, one per group: None (dense causal, while every context fits in index_topk), the top-k key
 positions [B, Qmax, k] int32 (GLM-5's indexer: attention reads only those latents) or a boolean mask
 (GLM-5.3-Flash's k-pool indexer); "shared" layers (IndexShare) reuse the previous full layer's selections.
-At decode sizes (<= GLM_RAY_SIDE_STREAM_TOKENS tokens on a GPU) the cache writes run on a side stream
-beside the query path and join before `project` returns (kernels/streams.py).
+At decode sizes (<= GLM_RAY_SIDE_STREAM_TOKENS tokens on a GPU) the cache writes — and in a decode step that
+scores, the indexer's queries and top-k — run on a side stream beside the query path and join before
+`project` returns (kernels/streams.py).
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ class MLAQuery:
     """What crosses from an MLA layer's projections to its attention (a piecewise-graph boundary)."""
     q: torch.Tensor                                   # [T, h, dn+dr]: [q_nope | roped q_pe]
     index_q: tuple[torch.Tensor, torch.Tensor] | None = None   # the indexer's (qi [T, Hi, di] wq_b's dtype, w [T, Hi] fp32)
+    # a decode step's DSA selections per group, already made on the side stream (None: `attend` selects)
+    selections: tuple[torch.Tensor | None, ...] | None = None
 
 # Bound on the transient gathered / expanded context of one attention call, passed to the kernel ops
 # as `max_bytes`; above it the torch reference processes the context in key chunks (online softmax).
@@ -127,22 +130,29 @@ class MLAAttention(nn.Module):
                 self._write_caches(x, ckv, batch, rope, kv_cache, index_cache)
         else:
             self._write_caches(x, ckv, batch, rope, kv_cache, index_cache)
-        if self.rq:
-            q_resid = self.q_a_layernorm(qa)                                    # [T, rq]
-            q = self.q_b_proj(q_resid)
-        else:
-            q_resid, q = None, self.q_proj(x)
+        q_resid = self.q_a_layernorm(qa) if self.rq else None                  # [T, rq]
+        iq = sels = None
+        # a decode step that scores: the indexer (queries, scores, top-k) on the side stream too, after the
+        # key write, beside the query path (both read q_resid)
+        early = (side is not None and self.indexer is not None and index_queries
+                 and all(g.mla_mode == "absorbed" and g.q_index.shape[1] == 1 for g in batch.groups))
+        if early:
+            side.wait_stream(main)
+            with on_side(side):
+                iq = self.indexer.queries(x, q_resid, rope, out.get("iq"), out.get("iw"))   # [T, Hi, di], [T, Hi]
+                sels = tuple(self.indexer.select(g, iq, index_cache) if g.max_context_len > self.indexer.topk
+                             else None for g in batch.groups)
+        q = self.q_b_proj(q_resid) if self.rq else self.q_proj(x)
         q = q.view(T, self.h, self.dn + self.dr)                                # [T, h, dn+dr]
         if self.dr:                                                             # rope of q_pe, in place
             kernels.ops().rope_inplace(q, rope.cos, rope.sin, self.interleave, self.dn)
         if "q" in out:
             q = out["q"].copy_(q)
-        iq = None
-        if self.indexer is not None and index_queries:
+        if self.indexer is not None and index_queries and not early:
             iq = self.indexer.queries(x, q_resid, rope, out.get("iq"), out.get("iw"))   # [T, Hi, di], [T, Hi]
         if side is not None:
-            main.wait_stream(side)                                              # the caches are written
-        return MLAQuery(q, iq)
+            main.wait_stream(side)                                              # caches written, selections made
+        return MLAQuery(q, iq, sels)
 
     def _write_caches(self, x: torch.Tensor, ckv: torch.Tensor, batch: ForwardBatch, rope: RopeCache | None,
                       kv_cache: torch.Tensor, index_cache: torch.Tensor | None) -> None:
@@ -166,7 +176,9 @@ class MLAAttention(nn.Module):
         selections = []
         for gi, g in enumerate(batch.groups):                                   # decode groups, prefill buckets
             sel = None                                                          # None: dense causal
-            if self.indexer is not None:
+            if query.selections is not None:                                    # made beside the query path
+                sel = query.selections[gi]
+            elif self.indexer is not None:
                 # while every context fits in index_topk, selection = dense causal (no scoring)
                 if g.max_context_len > self.indexer.topk:
                     if query.index_q is None:

@@ -238,7 +238,11 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-FP32_LINEAR_MAX_T = 256     # above: cuBLAS's fp32 GEMM (prefill sizes), below: `fp32_linear`'s one launch
+# `fp32_linear`'s one launch while T x N x D <= this many FMAs, cuBLAS's fp32 GEMM above: on the H200 (graph
+# replays, `scripts/bench_kernels.py --decode-small-ops`) the kernel won at glm5-flash-31b's router up to T = 32
+# (13.4 vs 16.5 us; 4.2M FMAs), tied at GLM-5's at T = 8 (28.6 vs 29.2 us; 12.6M) and lost above (20.1 vs
+# 16.7 us at flash T = 64; 90 vs 25 us at GLM-5 T = 32): its FMAs run on the CUDA cores
+FP32_LINEAR_MAX_FMAS = 6_000_000
 FP32_LINEAR_PROGRAMS = 128  # programs a launch aims at (~one per H200 SM)
 
 

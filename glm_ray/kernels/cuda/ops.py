@@ -33,7 +33,7 @@
   of topk.py (GLM_RAY_CUDA_INDEXER_TOPK=torch: torch.topk). Reference when: not CUDA, sm < 80.
 * moe_routing: one Triton kernel (routing.py). Reference when: not CUDA, sm < 70, E > 1024.
 * fp32_linear (router logits, indexer head weights): one Triton launch at decode sizes (fp32_linear.py,
-  T <= FP32_LINEAR_MAX_T); cuBLAS's fp32 GEMM (the reference) above it and when: not CUDA, sm < 70.
+  T x N x D <= FP32_LINEAR_MAX_FMAS); cuBLAS's fp32 GEMM (the reference) above it and when: not CUDA, sm < 70.
 * swiglu: one Triton launch (swiglu.py; torch runs silu and the product as two). Reference when: not
   CUDA, sm < 80, not bf16/fp16, gate / up not [T, I] with unit last strides.
 * mla_kv_write / indexer_key_write: norm + rope + cast + scatter of a token's cache row in one Triton launch
@@ -488,7 +488,7 @@ class CudaKernels:
 
     def fp32_linear(self, x, weight):
         reason = self._gpu_reason(x, 70, need_triton=True)
-        if reason is not None or x.dim() != 2 or x.shape[0] > L.FP32_LINEAR_MAX_T:
+        if reason is not None or x.dim() != 2 or x.shape[0] * weight.shape[0] * weight.shape[1] > L.FP32_LINEAR_MAX_FMAS:
             if reason is not None:
                 self._fallback("fp32_linear", reason)
             return ref_fp32_linear(x, weight)
