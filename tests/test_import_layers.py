@@ -53,6 +53,7 @@ DEFERRED = {
     ("glm_ray.bench.moe_decode", "glm_ray.kernels.cuda.moe_decode"): "triton: `--help` works without it",
     ("glm_ray.bench.moe_decode", "glm_ray.kernels.cuda.triton_kernels"): "triton: `--help` works without it",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.moe_decode"): "triton, only on the cuda backend",
+    ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.moe_prefill"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.norm"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.cache_write"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.rope"): "triton, only on the cuda backend",

@@ -40,7 +40,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from glm_ray.kernels.cuda.layout import TileConfig, cdiv, moe_prefill_configs
 from glm_ray.kernels.cuda.moe_align import moe_align_auto
-from glm_ray.kernels.cuda.triton_kernels import ACT_EPS, FP8_MAX, INTERPRET, MAX_PAIRS_PER_CHUNK, _fp8_group_quant, _swizzle
+from glm_ray.kernels.cuda.triton_kernels import (
+    ACT_EPS,
+    FP8_MAX,
+    INTERPRET,
+    MAX_PAIRS_PER_CHUNK,
+    _fp8_group_quant,
+    _swizzle,
+)
 
 GROUP = 128                      # 1x128 activation groups, 128x128 weight blocks
 FP8 = torch.float8_e4m3fn
@@ -123,7 +130,7 @@ def _up_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, os_ptr, eid_ptr, npost_ptr,
         if INTERP:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc += tl.dot(a, b) * a_s[:, None] * w_s[None, :]
+        acc += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])         # one FFMA an element (see the docstring)
     g, u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BNH)), (0, 2, 1)))        # [BM, BNH] each
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
@@ -184,9 +191,9 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, tw_ptr, sorted_ptr, eid_pt
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         if BN > 128:
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         else:
-            acc += tl.dot(a, b) * a_s[:, None] * b_s
+            acc += tl.dot(a, b) * (a_s * b_s)[:, None]
     pair = tl.load(sorted_ptr + rows)
     valid = pair < P
     pair64 = pair.to(tl.int64)
