@@ -52,6 +52,8 @@ DEFERRED = {
     ("glm_ray.serve.engine_host", "glm_ray.worker.step_channel"): "TP > 1 only",
     ("glm_ray.bench.moe_decode", "glm_ray.kernels.cuda.moe_decode"): "triton: `--help` works without it",
     ("glm_ray.bench.moe_decode", "glm_ray.kernels.cuda.triton_kernels"): "triton: `--help` works without it",
+    ("glm_ray.bench.moe_prefill", "glm_ray.kernels.cuda.moe_prefill"): "triton: `--help` works without it",
+    ("glm_ray.bench.moe_prefill", "glm_ray.kernels.cuda.triton_kernels"): "triton: `--help` works without it",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.moe_decode"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.moe_prefill"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.norm"): "triton, only on the cuda backend",
