@@ -14,15 +14,22 @@ w13 scales) in five launches:
    columns are the 128 gate rows then the 128 matching up rows of w13[e] (the separated checkpoint halves: the
    B tile's columns are two 128-row runs, each one scale block, so no re-layout or second copy of the experts
    is needed; the TMA form loads them as one [2, 128, BK] box of w13 viewed [E*2, I', D']). One dot of N = 256
-   per K step, promoted with the folded scale a_s[BM] x (gate | up scale)[256] (DeepGEMM's per-K-block
-   promotion); the epilogue splits the accumulator into gate and up, applies the (clamped) SiLU-GLU and
-   re-quantizes per 1x128 (the tile row is one group) into inter [EM, IG*128] e4m3 + [IG, EM] scales, still in
-   sorted order.
-4. `_down_kernel`: inter (contiguous rows) x w2[e]^T, one scale FMA per K step, times the routing weight,
-   stored per pair (a row scatter) in x.dtype.
+   per K step, promoted into the fp32 accumulator with the folded scale (a_s[BM] x (gate | up scale)[256])
+   (DeepGEMM's per-K-block promotion); the epilogue splits the accumulator into gate and up, applies the
+   (clamped) SiLU-GLU and re-quantizes per 1x128 (the tile row is one group) into inter [EM, IG*128] e4m3 +
+   [IG, EM] scales, still in sorted order.
+4. `_down_kernel`: inter (contiguous rows) x w2[e]^T, promoted the same way, times the routing weight, stored
+   per pair (a row scatter) in x.dtype.
 5. `_combine_kernel`: out[t] = sum_k out_pairs[t*K + k] in fp32 (deterministic: no atomics), in x.dtype.
 
-The old grouped kernels stay for decode-to-mid sizes and as the fallback (ops.py chooses by pair count). Tiles
+The scale product is formed before it meets the dot result: a thread's accumulator elements share one row pair
+and one 128-column half, so ptxas keeps two products a thread and each element costs one FFMA, where the old
+kernels' `dot * a_s * w_s` costs an FMUL and an FFMA (sm_90a SASS, Triton 3.6). Numerically a_s * w_s is
+rounded once in fp32 first (an ulp-level difference from the old kernels' order). Triton still waits for each
+step's wgmma before promoting it (one `wgmma.wait_group 0` a K step, down from two in the old up kernel).
+
+The old grouped kernels stay for decode-to-mid sizes and as the fallback (ops.py chooses by pairs per expert,
+GLM_RAY_CUDA_MOE_PREFILL_ROWS). Tiles
 come from `layout.moe_prefill_configs` (or the caller: bench/moe_prefill.py sweeps them). A config's `tma` makes
 a stage load its operands through host-side tensor descriptors (`triton.tools.tensor_descriptor`) instead of
 pointer tiles; the interpreter runs both forms.
@@ -130,7 +137,7 @@ def _up_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, os_ptr, eid_ptr, npost_ptr,
         if INTERP:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])         # one FFMA an element (see the docstring)
+        acc += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])         # one FFMA an element (module docstring)
     g, u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BNH)), (0, 2, 1)))        # [BM, BNH] each
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
