@@ -127,6 +127,11 @@ CUDA_MOE_DECODE_PAIRS: EnvVar[int] = EnvVar(
     "expert) pairs run the sort-free two-launch decode kernel (kernels/cuda/moe_decode.py); 0 = off (the "
     "grouped kernels). 4: one glm5-flash-31b token (H200, fp8: 30 vs 48 us; at 8-32 pairs the grouped "
     "kernels were as fast or faster)", "int")
+CUDA_MOE_PREFILL_ROWS: EnvVar[int] = EnvVar(
+    "GLM_RAY_CUDA_MOE_PREFILL_ROWS", _nonneg_int, 32, "cuda backend: block-FP8 MoE calls with at least this many "
+    "(token, expert) pairs per expert on average (T*K/E) run the prefill kernels (kernels/cuda/moe_prefill.py: "
+    "sorted pre-quantized activations, gate and up in one accumulator); 0 = off (the grouped kernels). 32: "
+    "glm5-flash-31b from 512 tokens, GLM-5 from 1,024; provisional, not yet measured on the GPU", "int")
 SIDE_STREAM_TOKENS: EnvVar[int] = EnvVar(
     "GLM_RAY_SIDE_STREAM_TOKENS", _nonneg_int, 64, "on a GPU, layers of at most this many tokens fork "
     "independent work onto a second stream (kernels/streams.py; a fork and a join inside the decode CUDA "
@@ -170,9 +175,8 @@ LOG_LEVEL: EnvVar[str] = EnvVar(
 
 ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_THREADS, ORCHESTRATION,
                            TIME_COLLECTIVES, STEP_TIMELINE, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
-                           CUDA_MOE_DECODE_PAIRS, SIDE_STREAM_TOKENS, CUDA_INDEXER_TOPK,
-                           LOG_TRITON_COMPILES, KERNEL_WARMUP,
-                           STEP_TIMEOUT_S, FAULT_INJECTION,
+                           CUDA_MOE_DECODE_PAIRS, CUDA_MOE_PREFILL_ROWS, SIDE_STREAM_TOKENS, CUDA_INDEXER_TOPK,
+                           LOG_TRITON_COMPILES, KERNEL_WARMUP, STEP_TIMEOUT_S, FAULT_INJECTION,
                            TEST_FORCED_OUTPUT, GRAMMAR_THREADS, GRAMMAR_CACHE_MB, LOG_STATS_INTERVAL_S, LOG_LEVEL)
 
 

@@ -11,7 +11,8 @@ shaped like those paths (the same sequence on every rank, so a TP group's collec
 2. a one-block chunk after that prompt (a cached prefix);
 3. a mixed step: that sequence decoding one token (context past index_topk) beside a fresh one-block prompt;
 4. fresh prompts of 8 and 16 blocks: mid-size prefills, whose rows per expert pick the grouped MoE's other
-   tile classes (e.g. 512 tokens: 32 rows per expert at 64 experts x top-4; 1024: at 256 x top-8).
+   tile classes (e.g. 512 tokens: 32 rows per expert at 64 experts x top-4; 1024: at 256 x top-8) and, from
+   GLM_RAY_CUDA_MOE_PREFILL_ROWS (32) rows per expert, the block-FP8 prefill MoE kernels.
 
 They write KV (and recurrent state) only to the first cache blocks and state rows, which no request holds
 yet; nothing reads those contents before a request overwrites them. `GLM_RAY_KERNEL_WARMUP`: auto (on a GPU

@@ -196,6 +196,7 @@ class TileConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    tma: bool = False            # operands through tensor descriptors (TMA); read by moe_prefill.py only
 
 
 def moe_configs(w_mode: str, num_pairs: int, num_experts: int) -> tuple[TileConfig, TileConfig]:
@@ -219,6 +220,27 @@ def moe_configs(w_mode: str, num_pairs: int, num_experts: int) -> tuple[TileConf
     # two BM x 128 fp32 accumulators + dequantized tiles spill at 4 warps from BM = 32 (ptxas -v, sm_90a)
     warps1 = 8 if (bm >= 32 and bn1 == 128) else warps
     return TileConfig(bm, bn1, bk, warps1, stages), TileConfig(bm, bn2, bk, warps, stages)
+
+
+# The prefill kernels' tiles (moe_prefill.py), by mean rows per expert P / E (uniform-routing estimate): the
+# first row whose bound is >= that mean. Stage 1's BN is 256 = 128 gate + 128 up columns in one accumulator
+# (fixed: one scale block and one re-quantization group per half); BK = 128 (one scale group per K step).
+# Register budget (sm_90a, ptxas -v with Triton 3.6): the fp32 accumulator plus each K step's dot result are
+# 2 x BM x BN / (32 x warps) registers a thread, so BM 64 x BN 256 needs 8 warps and BM 128 x 256 does not fit.
+# Not tuned on the GPU yet: `python -m glm_ray.bench.moe_prefill --path old new --configs ...` sweeps them.
+MOE_PREFILL_TABLE: tuple[tuple[float, TileConfig, TileConfig], ...] = (
+    (24.0, TileConfig(32, 256, 128, 8, 4), TileConfig(32, 128, 128, 4, 4)),
+    (float("inf"), TileConfig(64, 256, 128, 8, 3), TileConfig(64, 128, 128, 8, 3)),
+)
+
+
+def moe_prefill_configs(num_pairs: int, num_experts: int) -> tuple[TileConfig, TileConfig]:
+    """(stage-1 config, stage-2 config) of the prefill FP8 MoE kernels (`MOE_PREFILL_TABLE`); BM is shared."""
+    avg = num_pairs / max(1, num_experts)
+    for bound, c1, c2 in MOE_PREFILL_TABLE:
+        if avg <= bound:
+            return c1, c2
+    return MOE_PREFILL_TABLE[-1][1:]
 
 
 def dense_config(w_mode: str, m: int) -> TileConfig:

@@ -12,7 +12,10 @@
   (fp32 runs are test configurations and get the exact reference).
 * fused_moe_block_fp8: Triton grouped kernels, W8A8 1x128 / 128x128. Reference when: not CUDA,
   sm < 90, block != 128x128. fused_moe / fused_moe_block_fp8 calls of at most GLM_RAY_CUDA_MOE_DECODE_PAIRS
-  (token, expert) pairs take the sort-free two-launch decode kernels (moe_decode.py) instead.
+  (token, expert) pairs take the sort-free two-launch decode kernels (moe_decode.py) instead; block-FP8
+  calls of at least GLM_RAY_CUDA_MOE_PREFILL_ROWS pairs per expert the prefill kernels (moe_prefill.py:
+  sorted pre-quantized activations, gate + up in one accumulator), whose failure falls back to the
+  grouped kernels (op "fused_moe_block_fp8_prefill"), not to the reference.
 * block_fp8_linear of at most GLM_RAY_CUDA_FP8_SMALL_M rows: one Triton launch with the activation quant
   fused (fp8_small_m.py).
 * fused_moe_mxfp4: Triton grouped kernels, W4A16 (e2m1/e8m0 dequantized in registers) plus MXFP4 qdq
@@ -117,6 +120,7 @@ class CudaKernels:
         # decode-size thresholds of the one-launch kernels (0 = off; envs.py says why)
         self.small_m = min(envs.CUDA_FP8_SMALL_M.get(), 64) if self.tk is not None else 0   # fp8_small_m.MAX_M
         self.moe_decode_pairs = envs.CUDA_MOE_DECODE_PAIRS.get() if self.tk is not None else 0
+        self.moe_prefill_rows = envs.CUDA_MOE_PREFILL_ROWS.get() if self.tk is not None else 0
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def _warn_once(self, key: str, msg: str, *args, level=logging.WARNING) -> None:
@@ -124,16 +128,16 @@ class CudaKernels:
             self._warned.add(key)
             logger.log(level, msg, *args)
 
-    def _fallback(self, op: str, reason: str) -> None:
+    def _fallback(self, op: str, reason: str, slow_name: str = "the torch reference") -> None:
         self.fallbacks[(op, reason)] += 1
-        self._warn_once(f"{op}:{reason}", "cuda backend: %s uses the torch reference: %s", op, reason)
+        self._warn_once(f"{op}:{reason}", "cuda backend: %s uses %s: %s", op, slow_name, reason)
 
-    def _guarded(self, op: str, fast, slow):
+    def _guarded(self, op: str, fast, slow, slow_name: str = "the torch reference"):
         """Run `fast()`; if it raises (e.g. a Triton compile error on this GPU/Triton), log it, mark the op
-        broken for the process and run `slow()` (the reference) — now and on every later call. Out-of-memory
-        is re-raised (not a kernel defect)."""
+        broken for the process and run `slow()` (the reference, or `slow_name`) — now and on every later call.
+        Out-of-memory is re-raised (not a kernel defect)."""
         if op in self.broken:
-            self._fallback(op, f"kernel failed earlier: {self.broken[op]}")
+            self._fallback(op, f"kernel failed earlier: {self.broken[op]}", slow_name)
             return slow()
         try:
             return fast()
@@ -141,8 +145,8 @@ class CudaKernels:
             raise
         except Exception as e:                                      # noqa: BLE001
             self.broken[op] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-            logger.exception("cuda backend: %s kernel failed; using the torch reference from now on", op)
-            self._fallback(op, f"kernel failed: {self.broken[op]}")
+            logger.exception("cuda backend: %s kernel failed; using %s from now on", op, slow_name)
+            self._fallback(op, f"kernel failed: {self.broken[op]}", slow_name)
             return slow()
 
     def capability(self, device: torch.device) -> tuple[int, int]:
@@ -330,11 +334,19 @@ class CudaKernels:
                 self._moe_x(x), w13, w2, topk_weights, topk_ids, w_mode="fp8",
                 w13_scale=w13_scale_inv.float(), w2_scale=w2_scale_inv.float(), hidden_pad=hidden_pad,
                 intermediate_pad=intermediate_pad, swiglu_limit=swiglu_limit, act_ue8m0=act_ue8m0).to(x.dtype), slow)
-        return self._guarded("fused_moe_block_fp8", lambda: self.tk.fused_moe_triton(
-            self._moe_x(x), w13.contiguous(), w2.contiguous(), topk_weights, topk_ids, w_mode="fp8",
-            w13_scale=w13_scale_inv.float().contiguous(), w2_scale=w2_scale_inv.float().contiguous(),
-            hidden_pad=hidden_pad, intermediate_pad=intermediate_pad, swiglu_limit=swiglu_limit,
-            act_ue8m0=act_ue8m0).to(x.dtype), slow)
+        kw = dict(w13_scale=w13_scale_inv.float().contiguous(), w2_scale=w2_scale_inv.float().contiguous(),
+                  hidden_pad=hidden_pad, intermediate_pad=intermediate_pad, swiglu_limit=swiglu_limit,
+                  act_ue8m0=act_ue8m0)
+        def grouped():
+            return self._guarded("fused_moe_block_fp8", lambda: self.tk.fused_moe_triton(
+                self._moe_x(x), w13.contiguous(), w2.contiguous(), topk_weights, topk_ids, w_mode="fp8",
+                **kw).to(x.dtype), slow)
+        if self.moe_prefill_rows and topk_ids.numel() >= self.moe_prefill_rows * w13.shape[0]:
+            from glm_ray.kernels.cuda.moe_prefill import fused_moe_prefill  # noqa: PLC0415 (imports triton)
+            return self._guarded("fused_moe_block_fp8_prefill", lambda: fused_moe_prefill(
+                self._moe_x(x), w13.contiguous(), w2.contiguous(), topk_weights, topk_ids, **kw).to(x.dtype),
+                grouped, slow_name="the grouped kernels")
+        return grouped()
 
     def fused_moe_mxfp4(self, x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, *, act_mode="even",
                         swiglu_limit=None, gate_mode: str = "separated", hidden_pad: int = 0,
