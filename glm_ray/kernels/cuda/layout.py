@@ -227,10 +227,14 @@ def moe_configs(w_mode: str, num_pairs: int, num_experts: int) -> tuple[TileConf
 # (fixed: one scale block and one re-quantization group per half); BK = 128 (one scale group per K step).
 # Register budget (sm_90a, ptxas -v with Triton 3.6): the fp32 accumulator plus each K step's dot result are
 # 2 x BM x BN / (32 x warps) registers a thread, so BM 64 x BN 256 needs 8 warps and BM 128 x 256 does not fit.
-# Not tuned on the GPU yet: `python -m glm_ray.bench.moe_prefill --path old new --configs ...` sweeps them.
+# H200 (2026-12-04, `python -m glm_ray.bench.moe_prefill --geo flash glm5 --mode fp8 --tokens 2048 8192 --path
+# old new --new-configs default 64:256:128:128:8:8:3:tma 64:256:128:128:8:8:4:tma --stages`): TMA operands at
+# 3 stages were the fastest or within 3% at every point: glm5-flash-31b 8192 tokens 1.10 ms vs 1.17 (pointer
+# loads) vs 1.45 (the grouped kernels), 2048 tokens 0.386 vs 0.414 vs 0.457; GLM-5 8192 8.67 vs 9.58 vs 11.03,
+# 2048 3.22 vs 3.50 vs 3.59 ms. The BM 32 row (<= 24 rows per expert) is not measured yet.
 MOE_PREFILL_TABLE: tuple[tuple[float, TileConfig, TileConfig], ...] = (
     (24.0, TileConfig(32, 256, 128, 8, 4), TileConfig(32, 128, 128, 4, 4)),
-    (float("inf"), TileConfig(64, 256, 128, 8, 3), TileConfig(64, 128, 128, 8, 3)),
+    (float("inf"), TileConfig(64, 256, 128, 8, 3, tma=True), TileConfig(64, 128, 128, 8, 3, tma=True)),
 )
 
 
