@@ -134,7 +134,8 @@ class MLAAttention(nn.Module):
         iq = sels = None
         # a decode step that scores: the indexer (queries, scores, top-k) on the side stream too, after the
         # key write, beside the query path (both read q_resid)
-        early = (side is not None and self.indexer is not None and index_queries
+        # (not under a piecewise graph's static carry `out`: its pieces carry tensors only)
+        early = (side is not None and self.indexer is not None and index_queries and not out
                  and all(g.mla_mode == "absorbed" and g.q_index.shape[1] == 1 for g in batch.groups))
         if early:
             side.wait_stream(main)

@@ -69,6 +69,8 @@ class HybridDecoderLayer(nn.Module):
             carry["q"] = query.q
             if query.index_q is not None:
                 carry["iq"], carry["iw"] = query.index_q
+            if query.selections is not None:                                    # a decode step's, made early
+                carry["sel"] = query.selections
         return carry
 
     def after_mixer(self, carry: dict, o: torch.Tensor) -> torch.Tensor:
@@ -136,7 +138,7 @@ class Glm5NextTextModel(nn.Module):
         if layer.linear:
             return layer.self_attn.attend(carry, batch, *state_caches[i], out), prev_mask
         iq = (carry["iq"], carry["iw"]) if "iq" in carry else None
-        return layer.self_attn.attend(MLAQuery(carry["q"], iq), batch, kv_caches[i], index_caches.get(i),
+        return layer.self_attn.attend(MLAQuery(carry["q"], iq, carry.get("sel")), batch, kv_caches[i], index_caches.get(i),
                                       prev_mask, out)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches, index_caches,

@@ -126,13 +126,15 @@ class GlmMoeDsaModel(nn.Module):
         out = {"residual": residual, "cos": rope.cos, "sin": rope.sin, "q": query.q}
         if query.index_q is not None:
             out["iq"], out["iw"] = query.index_q
+        if query.selections is not None:                                        # a decode step's, made early
+            out["sel"] = query.selections
         return out
 
     def attend(self, i: int, carry: dict, batch: ForwardBatch, kv_caches: list[torch.Tensor],
                index_caches: dict[int, torch.Tensor], prev_mask, out: torch.Tensor | None = None):
         """Attention of layer i (eager in a piecewise graph) -> (o [T, h, dv], selections)."""
         iq = (carry["iq"], carry["iw"]) if "iq" in carry else None
-        return self.layers[i].self_attn.attend(MLAQuery(carry["q"], iq), batch, kv_caches[i], index_caches.get(i),
+        return self.layers[i].self_attn.attend(MLAQuery(carry["q"], iq, carry.get("sel")), batch, kv_caches[i], index_caches.get(i),
                                                prev_mask, out)
 
     def index_queries(self, batch: ForwardBatch) -> bool:

@@ -177,3 +177,26 @@ def test_shared_expert_side_stream_equals_one_stream(oracle_dir, monkeypatch):
     for a, b in zip(one, two):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_decode_step_selects_once_per_indexer_layer(oracle_dir, monkeypatch):
+    """A decode step that scores makes its DSA selections on the side stream inside `project` (MLAQuery
+    .selections, carried by the model to `attend`): one `select` per full-indexer layer, not a second
+    one in `attend` (a regression measured on the H200: twice the indexer's scores and top-k a step)."""
+    from glm_ray.forward_batch import build_forward_batch
+    from glm_ray.layers.indexer import Indexer
+    llm = LLM(oracle_dir, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+    w = llm.engine.executor.worker
+    r = w.runner
+    B, ctx = 4, 30                                               # contexts > index_topk: the sparse path
+    tables = [list(range(i * 4, i * 4 + 4)) for i in range(B)]
+    batch = build_forward_batch([1] * B, [ctx] * B, tables, r.block_size, w.device)
+    ids = torch.randint(10, 1000, (B,), device=w.device)
+    calls = []
+    real = Indexer.select
+    monkeypatch.setattr(Indexer, "select", lambda self, *a, **k: calls.append(self) or real(self, *a, **k))
+    with torch.inference_mode():
+        r.model(ids, batch, r.kv_caches, r.index_caches, r.state_caches)
+    torch.cuda.synchronize()
+    indexers = [m for m in r.model.modules() if isinstance(m, Indexer)]
+    assert indexers and len(calls) == len(indexers) and set(map(id, calls)) == set(map(id, indexers))
