@@ -59,9 +59,9 @@ def test_graph_replay_bf16_runs_the_kernels(oracle_dir):
             assert abs(x[tok] - y[tok]) < 0.05
 
 
-def test_decode_forward_has_no_host_sync(oracle_dir):
-    """An eager decode forward under torch's sync debug mode "error": any .item()/.tolist()/nonzero or
-    blocking copy raises. (A successful capture proves the same for the graph path.)"""
+def _sparse_decode_step(oracle_dir):
+    """An eager bf16 engine (kept: it owns the runner), its runner and one decode step's inputs: 4
+    sequences of 30 tokens (past index_topk: the indexer scores)."""
     from glm_ray.forward_batch import build_forward_batch
     llm = LLM(oracle_dir, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=256 << 20, enforce_eager=True)
     w = llm.engine.executor.worker
@@ -69,7 +69,13 @@ def test_decode_forward_has_no_host_sync(oracle_dir):
     B, ctx = 4, 30                                               # contexts > index_topk: the sparse path
     tables = [list(range(i * 4, i * 4 + 4)) for i in range(B)]
     batch = build_forward_batch([1] * B, [ctx] * B, tables, r.block_size, w.device)
-    ids = torch.randint(10, 1000, (B,), device=w.device)
+    return llm, r, torch.randint(10, 1000, (B,), device=w.device), batch
+
+
+def test_decode_forward_has_no_host_sync(oracle_dir):
+    """An eager decode forward under torch's sync debug mode "error": any .item()/.tolist()/nonzero or
+    blocking copy raises. (A successful capture proves the same for the graph path.)"""
+    _llm, r, ids, batch = _sparse_decode_step(oracle_dir)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -183,15 +189,8 @@ def test_decode_step_selects_once_per_indexer_layer(oracle_dir, monkeypatch):
     """A decode step that scores makes its DSA selections on the side stream inside `project` (MLAQuery
     .selections, carried by the model to `attend`): one `select` per full-indexer layer, not a second
     one in `attend` (a regression measured on the H200: twice the indexer's scores and top-k a step)."""
-    from glm_ray.forward_batch import build_forward_batch
     from glm_ray.layers.indexer import Indexer
-    llm = LLM(oracle_dir, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=256 << 20, enforce_eager=True)
-    w = llm.engine.executor.worker
-    r = w.runner
-    B, ctx = 4, 30                                               # contexts > index_topk: the sparse path
-    tables = [list(range(i * 4, i * 4 + 4)) for i in range(B)]
-    batch = build_forward_batch([1] * B, [ctx] * B, tables, r.block_size, w.device)
-    ids = torch.randint(10, 1000, (B,), device=w.device)
+    _llm, r, ids, batch = _sparse_decode_step(oracle_dir)
     calls = []
     real = Indexer.select
     monkeypatch.setattr(Indexer, "select", lambda self, *a, **k: calls.append(self) or real(self, *a, **k))
