@@ -22,6 +22,7 @@ import torch
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 _LANE = threading.local()
+LANES = (0, 1)                                          # main, side
 
 
 def side_stream_for(x: torch.Tensor, limit: int) -> torch.cuda.Stream | None:
@@ -55,4 +56,4 @@ def lane() -> int:
     return getattr(_LANE, "value", 0)
 
 
-__all__ = ["lane", "on_side", "side_stream_for"]
+__all__ = ["LANES", "lane", "on_side", "side_stream_for"]

@@ -144,6 +144,7 @@ def test_interp_last_program_reduces_like_the_sum_kernel(sm, m, n, k, split):
     _check(one, x, w, s, False)
     counters = sm._counters[("cpu", None, 0)]
     assert int(counters.abs().sum()) == 0
+    assert ("cpu", None, 1) in sm._counters                     # the side lane's made with it (never in a capture)
     assert torch.equal(one, sm.block_fp8_linear_small_m(x, w, s, out_dtype=torch.float32, split_k=split))
     with pytest.raises(AssertionError):
         sm.block_fp8_linear_small_m(x, w, s, reduce="atomic")

@@ -57,7 +57,7 @@ import triton.language as tl
 
 from glm_ray.kernels.cuda.layout import cdiv
 from glm_ray.kernels.cuda.triton_kernels import ACT_EPS, FP8_MAX, INTERPRET, _fp8_group_quant
-from glm_ray.kernels.streams import lane
+from glm_ray.kernels.streams import LANES, lane
 
 MAX_M = 64                      # the design point: BM <= 64 rows in one tile
 GROUP = 128                     # activation quant group = weight block (both 128 along K)
@@ -238,7 +238,10 @@ def _arrival_counters(device: torch.device) -> torch.Tensor | None:
     if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        buf = _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+        for ln in LANES:          # every lane's at once: a lane first used inside a capture finds its own
+            _counters.setdefault((device.type, device.index, ln), torch.zeros(COUNTERS, dtype=torch.int32,
+                                                                              device=device))
+        buf = _counters[key]
     return buf
 
 
