@@ -63,6 +63,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from glm_ray import kernels
+from glm_ray.bench.gaps import GapGroup, gap_groups, print_gap_groups
 from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.config import ModelConfig, make_engine_config
 from glm_ray.engine.contract import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
@@ -474,9 +475,11 @@ def restore_states(worker: Worker, batch: int, saved: list[torch.Tensor]) -> Non
             t[:batch].copy_(s)
 
 
-def profile_steps_of(case, n: int, cuda: bool, top: int) -> tuple[float, list[dict], str, dict]:
+def profile_steps_of(case, n: int, cuda: bool, top: int, trace: str | None = None
+                     ) -> tuple[float, list[dict], str, dict, list[dict]]:
     """Run n steps of `case` (a `DecodeCase`, or any object whose `step()` runs one engine step: bench.prefill's
-    `PrefillCase`) under torch.profiler: (device ms per step, top ops, source of the device time, timeline).
+    `PrefillCase`) under torch.profiler: (device ms per step, top ops, source of the device time, timeline,
+    the GPU's idle gaps grouped by host event (`bench.gaps`)). `trace`: also write a Chrome trace there.
 
     timeline (CUDA; per-step medians, ms): `gpu_busy` (kernel time), `gpu_span` (first kernel start to
     last kernel end of the step), `gpu_gaps` (span - busy: the GPU idle *between* the step's kernels,
@@ -490,8 +493,11 @@ def profile_steps_of(case, n: int, cuda: bool, top: int) -> tuple[float, list[di
                 case.step()
         if cuda:
             torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     agg: dict[str, list[float]] = {}
     timeline: dict[str, float] = {}
+    gaps: list[dict] = []
     if cuda:
         kernels_t = []
         for ev in prof.events():                                  # kernels, memcpy, memset
@@ -501,6 +507,7 @@ def profile_steps_of(case, n: int, cuda: bool, top: int) -> tuple[float, list[di
                 a[1] += ev.time_range.elapsed_us()
                 kernels_t.append((ev.time_range.start, ev.time_range.end))
         timeline = _timeline(prof.events(), kernels_t)
+        gaps = [asdict(g) for g in gap_groups(prof.events(), n)]
     else:
         for ev in prof.key_averages():                            # CPU ops by self time
             if ev.self_cpu_time_total > 0:
@@ -509,10 +516,10 @@ def profile_steps_of(case, n: int, cuda: bool, top: int) -> tuple[float, list[di
     ops = [{"name": k, "calls_per_step": c / n, "ms_per_step": us / n / 1e3, "share": us / total if total else 0.0}
            for k, (c, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]]
     if not cuda:
-        return float("nan"), ops, "none", timeline
+        return float("nan"), ops, "none", timeline, gaps
     if total > 0:
-        return total / n / 1e3, ops, "profiler", timeline
-    return float("nan"), ops, "none", timeline
+        return total / n / 1e3, ops, "profiler", timeline, gaps
+    return float("nan"), ops, "none", timeline, gaps
 
 
 def _timeline(events, kernels_t: list[tuple[float, float]]) -> dict[str, float]:
@@ -586,9 +593,9 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
                 case.advance(out)
             host_src = "wall-minus-sync" if (probe.active or not cuda) else "thread-cpu"
         graph_steps = worker.runner.num_graph_steps - g0                # timed steps that replayed a graph
-        device_ms, ops, dev_src, timeline = float("nan"), [], "none", {}
+        device_ms, ops, dev_src, timeline, gaps = float("nan"), [], "none", {}, []
         if profile_steps and (cuda or profile_top):
-            device_ms, ops, dev_src, timeline = profile_steps_of(case, profile_steps, cuda, profile_top)
+            device_ms, ops, dev_src, timeline, gaps = profile_steps_of(case, profile_steps, cuda, profile_top)
         if cuda and math.isnan(device_ms):
             device_ms, dev_src = _event_span_ms(case, max(1, profile_steps)), "events"
     finally:
@@ -615,7 +622,7 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
             "ratio_device": device_ms / floor_ms, "tokens_per_s": batch / step_ms * 1e3,
             "floor_gb": fb["total"] / 1e9, "floor_weights_gb": (fb["weights"] + fb["lm_head"]) / 1e9,
             "floor_kv_gb": (fb["kv"] + fb["index_keys"]) / 1e9, "host_src": host_src, "device_src": dev_src,
-            "top_ops_time": "device" if cuda else "cpu", "top_ops": ops, "timeline_ms": timeline,
+            "top_ops_time": "device" if cuda else "cpu", "top_ops": ops, "timeline_ms": timeline, "gaps": gaps,
             "final_pos": case.pos, "device": str(worker.device), "graph_steps": graph_steps,
             "fallbacks": fallback_counts(),
             "overlap_step_ms": ovl_ms, "overlap_ratio_wall": ovl_ms / floor_ms,
@@ -642,6 +649,7 @@ def warn_mismatch(row: dict) -> None:
 def print_ops(row: dict) -> None:
     if row.get("timeline_ms"):
         print("  step timeline (ms, profiled): " + ", ".join(f"{k} {v:.3f}" for k, v in row["timeline_ms"].items()))
+    print_gap_groups([GapGroup(**g) for g in row.get("gaps", [])])
     if not row["top_ops"]:
         return
     shape = f"B={row['batch']} C={row['context']}" if "context" in row else f"B={row['batch']} L={row['length']}"

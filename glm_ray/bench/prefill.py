@@ -136,9 +136,10 @@ class PrefillCase:
 
 
 def run_case(worker: Worker, *, model: str, quant: str, batch: int, length: int, steps: int, warmup: int = 1,
-             profile_steps: int = 2, profile_top: int = 12, seed: int = 0, mode: str = "eager") -> dict:
+             profile_steps: int = 2, profile_top: int = 12, seed: int = 0, mode: str = "eager",
+             trace: str | None = None) -> dict:
     """One row: `mode` "eager" runs the step without the runner's piecewise graphs, "piecewise" with them
-    (when the runner has them and the step fits)."""
+    (when the runner has them and the step fits). `trace`: a folder for the profiled steps' Chrome traces."""
     cuda = worker.device.type == "cuda"
     runner = worker.runner
     pieces = runner.pieces
@@ -162,9 +163,10 @@ def run_case(worker: Worker, *, model: str, quant: str, batch: int, length: int,
                 walls.append(time.perf_counter() - t0)
                 waits.append(probe.take())
                 case.advance(out)
-        device_ms, ops, dev_src, timeline = float("nan"), [], "none", {}
+        device_ms, ops, dev_src, timeline, gaps = float("nan"), [], "none", {}, []
         if profile_steps and (cuda or profile_top):
-            device_ms, ops, dev_src, timeline = profile_steps_of(case, profile_steps, cuda, profile_top)
+            trace_path = f"{trace}/{model}_{mode}_{batch}x{length}.json" if trace else None
+            device_ms, ops, dev_src, timeline, gaps = profile_steps_of(case, profile_steps, cuda, profile_top, trace_path)
     finally:
         case.finish()
         runner.pieces = pieces
@@ -179,14 +181,14 @@ def run_case(worker: Worker, *, model: str, quant: str, batch: int, length: int,
             "device_ms": device_ms, "floor_ms": floor, "floor_bf16_ms": f_bf16, "floor_fp8_ms": f_fp8,
             "ratio_wall": step_ms / floor, "ratio_device": device_ms / floor,
             "tflops_wall": flops["total"] / step_ms / 1e9, "flops": flops, "device_src": dev_src,
-            "top_ops_time": "device" if cuda else "cpu", "top_ops": ops, "timeline_ms": timeline,
+            "top_ops_time": "device" if cuda else "cpu", "top_ops": ops, "timeline_ms": timeline, "gaps": gaps,
             "device": str(worker.device), "fallbacks": fallback_counts()}
 
 
 def run(models: list[str], shapes: list[tuple[int, int]], *, steps: int = 3, quant: str = "fp8",
         device: str = "auto", dtype: str = "auto", warmup: int = 1, profile_steps: int = 2, profile_top: int = 12,
         block_size: int = 16, seed: int = 0, verbose: bool = True, modes: tuple[str, ...] = ("eager", "piecewise"),
-        piecewise_max_tokens: int = 8192) -> list[dict]:
+        piecewise_max_tokens: int = 8192, trace: str | None = None) -> list[dict]:
     """Every (model, shape, mode) row; one engine per model, its KV cache sized for the largest shape; the
     modes of a shape run back to back in that engine."""
     if device == "auto":
@@ -205,7 +207,8 @@ def run(models: list[str], shapes: list[tuple[int, int]], *, steps: int = 3, qua
         for B, L in shapes:
             for mode in modes:
                 row = run_case(worker, model=model, quant=quant, batch=B, length=L, steps=steps, warmup=warmup,
-                               profile_steps=profile_steps, profile_top=profile_top, seed=seed, mode=mode)
+                               profile_steps=profile_steps, profile_top=profile_top, seed=seed, mode=mode,
+                               trace=trace)
                 rows.append(row)
                 if verbose:
                     print_rows([row], ROW_COLS, width=13)
@@ -244,12 +247,14 @@ def main(argv=None) -> int:
     p.add_argument("--piecewise-max-tokens", type=int, default=8192,
                    help="largest step captured as piecewise graphs (larger ones run eagerly)")
     p.add_argument("--json", default=None, help="also append the rows to this JSONL file")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="write each row's profiled steps as a Chrome trace into DIR")
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps must be >= 1")
     rows = run(a.models, a.shape, steps=a.steps, quant=a.quant, device=a.device, dtype=a.dtype, warmup=a.warmup,
                profile_steps=a.profile_steps, profile_top=a.profile_top, block_size=a.block_size, seed=a.seed,
-               modes=tuple(a.modes), piecewise_max_tokens=a.piecewise_max_tokens)
+               modes=tuple(a.modes), piecewise_max_tokens=a.piecewise_max_tokens, trace=a.trace)
     print()
     print_rows(rows, ROW_COLS, width=13)
     append_rows(a.json, rows)

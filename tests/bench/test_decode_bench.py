@@ -238,3 +238,27 @@ def test_timeline_splits_a_step_into_host_and_gpu_parts():
     # medians over the two steps: busy (40, 20), span (50, 20), gaps (10, 0), before (10, 50), after (40, 30)
     assert t == {"gpu_busy": 0.03, "gpu_span": 0.035, "gpu_gaps": 0.005, "host_before": 0.03, "host_after": 0.035,
                  "graph_launch": 0.0025}
+
+
+def test_gap_groups_name_the_host_event_inside_each_gap():
+    """`bench.gaps.gap_groups` on synthetic events (us), two steps. Step 1 [0, 200): kernels A [10, 30),
+    B [80, 90), C [92, 100), D [150, 160); a sync [35, 78) holds the host during the A-B gap (nested in an
+    aten::item [33, 79)), the B-C gap (2 us) is below min_us, plain Python (only the step range) during the
+    C-D gap. Step 2 [300, 400): A [310, 330), B [380, 390) with a sync [340, 375). The idle time between
+    the steps (160 -> 310) is not inside a step range and is not counted."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from glm_ray.bench.gaps import GapGroup, gap_groups
+
+    def ev(name, start, end, dev=DeviceType.CPU):
+        return NS(name=name, device_type=dev, time_range=NS(start=start, end=end))
+    K = DeviceType.CUDA
+    events = [ev("glm_ray_bench_step", 0, 200), ev("aten::item", 33, 79), ev("cudaStreamSynchronize", 35, 78),
+              ev("A", 10, 30, K), ev("B", 80, 90, K), ev("C", 92, 100, K), ev("D", 150, 160, K),
+              ev("glm_ray_bench_step", 300, 400), ev("cudaStreamSynchronize", 340, 375),
+              ev("A", 310, 330, K), ev("B", 380, 390, K)]
+    groups = gap_groups(events, steps=2, min_us=5.0)
+    # per step: (50 + 50) / 2 us behind the syncs before B; 50 / 2 us of Python before D
+    assert groups == [GapGroup("cudaStreamSynchronize", "B", 1.0, 0.05), GapGroup("glm_ray_bench_step", "D", 0.5, 0.025)]
