@@ -12,8 +12,10 @@ its own MLA form: absorbed (latent MQA) for decode, naive (expanded MHA) for pre
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -106,9 +108,10 @@ class ForwardBatch:
 
 
 def build_forward_batch(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                        block_size: int, device: torch.device, mla_mode: str = "auto",
+                        block_size: int, device: torch.device | str, mla_mode: str = "auto",
                         state_slots: list[int] | None = None) -> ForwardBatch:
-    """Host-side construction from per-sequence lengths (vectorized per group; one copy each to the device).
+    """Host-side construction from per-sequence lengths: vectorized numpy per step (no per-token Python,
+    no torch dispatch per small op), then every array of the step in one host -> device copy (`stage`).
 
     query_lens[i]: new tokens of sequence i this step; context_lens[i]: cached + new tokens.
     mla_mode: "auto" -> absorbed for the decode group, naive for the prefill group; "naive" /
@@ -116,35 +119,57 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
     state_slots[i]: recurrent-state cache row of sequence i (hybrid models; default 0..B-1).
     """
     B = len(query_lens)
-    ql = torch.tensor(query_lens, dtype=torch.int64)                         # [B]
-    cl = torch.tensor(context_lens, dtype=torch.int64)                       # [B]
-    max_blocks = max(len(b) for b in block_tables)
-    bt = torch.zeros(B, max_blocks, dtype=torch.int64)
-    for i, b in enumerate(block_tables):                                     # per sequence, not per token
-        bt[i, :len(b)] = torch.tensor(b, dtype=torch.int64)
-    starts = torch.cumsum(ql, 0) - ql                                        # [B] first row in T
+    ql = np.asarray(query_lens, dtype=np.int64)                              # [B]
+    cl = np.asarray(context_lens, dtype=np.int64)                            # [B]
+    nblk = np.fromiter((len(b) for b in block_tables), dtype=np.int64, count=B)   # [B]
+    bt = np.zeros((B, int(nblk.max())), dtype=np.int64)                      # [B, nb] (padding -> 0)
+    bt[np.arange(bt.shape[1])[None, :] < nblk[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(nblk.sum()))
+    starts = np.cumsum(ql) - ql                                              # [B] first row in T
     # every token: its position and KV slot, in packing order
-    tok_seq = torch.repeat_interleave(torch.arange(B), ql)                   # [T]
-    positions = (cl - ql)[tok_seq] + (torch.arange(len(tok_seq)) - starts[tok_seq])   # [T]
-    slot_mapping = bt[tok_seq, positions // block_size] * block_size + positions % block_size
-    slots = torch.tensor(state_slots if state_slots is not None else range(B), dtype=torch.int64)   # [B]
+    tok_seq = np.repeat(np.arange(B), ql)                                    # [T]
+    positions = (cl - ql - starts)[tok_seq] + np.arange(tok_seq.shape[0])   # [T]
+    slot_mapping = bt[tok_seq, positions // block_size] * block_size + positions % block_size   # [T]
+    slots = np.asarray(state_slots if state_slots is not None else range(B), dtype=np.int64)   # [B]
+    parts = _partition(query_lens, context_lens)
+    host = [positions, slot_mapping]
+    for idx, _ in parts:
+        idx = np.asarray(idx, dtype=np.int64)
+        host += [*_group(ql[idx], cl[idx], starts[idx], bt[idx]), slots[idx], cl[idx] == ql[idx]]
+    dev = stage(host, torch.device(device))
     groups = []
-    for idx, mode in _partition(query_lens, context_lens):
-        idx = torch.tensor(idx, dtype=torch.int64)
-        groups.append(_group(ql[idx], cl[idx], starts[idx], bt[idx]) + (slots[idx], cl[idx] == ql[idx])
-                      + (mode if mla_mode == "auto" else mla_mode,))
-    def to(t):
-        return t.to(device, non_blocking=True)
-    groups = tuple(AttnGroup(*(to(t) for t in g[:7]), block_size=block_size, max_context_len=int(g[5].max()),
-                             mla_mode=g[9], state_slots=to(g[7]), state_fresh=to(g[8]), row_span=_span(g[0]))
-                   for g in groups)
-    return ForwardBatch(positions=to(positions), slot_mapping=to(slot_mapping), groups=groups,
-                        max_context_len=int(cl.max()))
+    for g, (idx, mode) in enumerate(parts):
+        h, d = host[2 + 9 * g: 11 + 9 * g], dev[2 + 9 * g: 11 + 9 * g]
+        groups.append(AttnGroup(*d[:7], block_size=block_size, max_context_len=int(h[5].max()),
+                                mla_mode=mode if mla_mode == "auto" else mla_mode, state_slots=d[7],
+                                state_fresh=d[8], row_span=_span(h[0])))
+    return ForwardBatch(positions=dev[0], slot_mapping=dev[1], groups=tuple(groups), max_context_len=int(cl.max()))
 
 
-def _span(token_index: torch.Tensor) -> tuple[int, int] | None:
-    """(start, stop) when the group's rows are exactly T[start:stop] in order (host tensor), else None."""
-    n = token_index.numel()
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}
+
+
+def stage(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Many small host arrays -> tensors on `device` with one copy: packed at 8-byte-aligned offsets
+    into one byte buffer (pinned on CUDA, from torch's caching host allocator, which keeps a block
+    until the copy that read it has run), copied asynchronously, viewed back per array on the device
+    (int64 / int32 / bool; no kernel per array). On the CPU the views share the host buffer."""
+    offs, n = [], 0
+    for a in arrays:
+        offs.append(n)
+        n += -(-a.nbytes // 8) * 8
+    buf = torch.empty(max(n, 8), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    view = buf.numpy()
+    for a, o in zip(arrays, offs):
+        view[o:o + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+    if device.type != "cpu":
+        buf = buf.to(device, non_blocking=True)
+    return [buf[o:o + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for a, o in zip(arrays, offs)]
+
+
+def _span(token_index: np.ndarray) -> tuple[int, int] | None:
+    """(start, stop) when the group's rows are exactly T[start:stop] in order (host array), else None."""
+    n = token_index.shape[0]
     if n == 0:
         return None
     a, b = int(token_index[0]), int(token_index[-1])
@@ -194,12 +219,12 @@ def _buckets(order: list[int], query_lens: list[int], context_lens: list[int]) -
 
 
 def _group(ql, cl, starts, bt):
-    """Host metadata of one group: (token_index, q_index, q_valid, packed, block_table, context_lens,
+    """Host metadata of one group (numpy): (token_index, q_index, q_valid, packed, block_table, context_lens,
     query_lens)."""
-    Qmax = int(ql.max())
-    qoff = torch.arange(Qmax)                                                # [Qmax]
+    qoff = np.arange(int(ql.max()))                                          # [Qmax]
     q_valid = qoff[None, :] < ql[:, None]                                    # [B, Qmax]
-    q_index = torch.where(q_valid, starts[:, None] + qoff[None, :], 0)       # [B, Qmax]
+    q_index = np.where(q_valid, starts[:, None] + qoff[None, :], 0)          # [B, Qmax]
     token_index = q_index[q_valid]                                           # [Tg]
-    packed = q_valid.flatten().nonzero()[:, 0]                               # [Tg] (host)
-    return token_index, q_index, q_valid, packed, bt.to(torch.int32), cl.to(torch.int32), ql.to(torch.int32)
+    packed = np.flatnonzero(q_valid)                                         # [Tg]
+    return (token_index, q_index, q_valid, packed, bt.astype(np.int32), cl.astype(np.int32),
+            ql.astype(np.int32))

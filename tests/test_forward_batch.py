@@ -91,3 +91,81 @@ def test_rows_of_slices_a_row_span_and_gathers_otherwise():
     assert torch.equal(g.rows_of(x), x[g.q_index[:, 0]]) and g.q_index[:, 0].tolist() == [1, 0, 2]
     span = replace(g, q_index=torch.arange(3)[:, None], row_span=(0, 3))
     assert torch.equal(span.rows_of(x), x) and span.rows_of(x).data_ptr() == x.data_ptr()   # a view
+
+
+def _oracle(qlens, clens, tables, bs):
+    """Per token, in plain Python: (position, slot) of every packed row; per sequence its rows of T."""
+    pos, slot, rows, t = [], [], [], 0
+    for q, c, tab in zip(qlens, clens, tables):
+        rows.append(list(range(t, t + q)))
+        t += q
+        for p in range(c - q, c):
+            pos.append(p)
+            slot.append(tab[p // bs] * bs + p % bs)
+    return pos, slot, rows
+
+
+def test_batch_matches_a_per_token_oracle():
+    """Random mixed steps (decodes, fresh prompts, chunks after a cached prefix, scattered block tables):
+    every field equals a per-token Python construction; dtypes as the kernels read them."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        bs = [4, 16, 64][trial % 3]
+        B = int(torch.randint(1, 12, (1,), generator=g))
+        qlens, clens = [], []
+        for _ in range(B):
+            kind = int(torch.randint(0, 3, (1,), generator=g))
+            q = 1 if kind == 0 else int(torch.randint(2, 300, (1,), generator=g))
+            cached = 0 if kind == 1 else int(torch.randint(0, 500, (1,), generator=g))
+            qlens.append(q)
+            clens.append(cached + q if kind != 0 else max(cached, 1))
+        nblk = [-(-c // bs) + int(torch.randint(0, 3, (1,), generator=g)) for c in clens]   # spare blocks too
+        perm = torch.randperm(sum(nblk), generator=g).tolist()
+        tables, k = [], 0
+        for n in nblk:
+            tables.append(perm[k:k + n])
+            k += n
+        slots = torch.randperm(64, generator=g)[:B].tolist()
+        b = build_forward_batch(qlens, clens, tables, bs, torch.device("cpu"), state_slots=slots)
+        pos, slot, rows = _oracle(qlens, clens, tables, bs)
+        assert b.positions.tolist() == pos and b.slot_mapping.tolist() == slot
+        assert b.positions.dtype == b.slot_mapping.dtype == torch.int64
+        assert b.max_context_len == max(clens)
+        seen = []
+        for grp in b.groups:
+            seqs = [rows.index([r for r in rows if r and r[0] == int(grp.q_index[i, 0])][0])
+                    for i in range(grp.num_seqs)]
+            assert grp.token_index.tolist() == [r for s in seqs for r in rows[s]]
+            assert grp.query_lens.tolist() == [qlens[s] for s in seqs]
+            assert grp.context_lens.tolist() == [clens[s] for s in seqs]
+            assert grp.state_slots.tolist() == [slots[s] for s in seqs]
+            assert grp.state_fresh.tolist() == [clens[s] == qlens[s] for s in seqs]
+            assert grp.max_context_len == max(clens[s] for s in seqs)
+            for i, s in enumerate(seqs):
+                assert grp.block_table[i, :len(tables[s])].tolist() == tables[s]
+                assert not grp.block_table[i, len(tables[s]):].any()
+                assert grp.q_valid[i].tolist() == [j < qlens[s] for j in range(grp.q_valid.shape[1])]
+            assert torch.equal(grp.q_index.flatten()[grp.packed], grp.token_index)
+            assert (grp.q_index[~grp.q_valid] == 0).all()
+            assert [grp.token_index.dtype, grp.q_index.dtype, grp.packed.dtype, grp.q_valid.dtype,
+                    grp.block_table.dtype, grp.context_lens.dtype, grp.query_lens.dtype] == \
+                [torch.int64, torch.int64, torch.int64, torch.bool, torch.int32, torch.int32, torch.int32]
+            span = grp.row_span
+            ti = grp.token_index.tolist()
+            assert span == ((ti[0], ti[-1] + 1) if ti == list(range(ti[0], ti[0] + len(ti))) else None)
+            seen += ti
+        assert sorted(seen) == list(range(sum(qlens)))
+
+
+def test_stage_packs_every_array_into_one_buffer():
+    """`stage`: one host buffer (so one copy to a device), each array viewed back with its dtype and
+    shape, empty arrays included."""
+    import numpy as np
+
+    from glm_ray.forward_batch import stage
+    arrays = [np.arange(5, dtype=np.int64), np.array([[True, False, True]]), np.arange(7, dtype=np.int32) - 3,
+              np.zeros((2, 0), dtype=np.int64), np.array([2**40, -1], dtype=np.int64)]
+    out = stage(arrays, torch.device("cpu"))
+    for a, t in zip(arrays, out):
+        assert t.shape == a.shape and t.numpy().dtype == a.dtype and (t.numpy() == a).all()
+    assert len({t.untyped_storage().data_ptr() for t in out}) == 1

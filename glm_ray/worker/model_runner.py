@@ -20,6 +20,7 @@ async scheduling a step with constrained rows first collects the previous launch
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from glm_ray.engine.outputs import LogprobDict
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.structured import GrammarRuntime, RequestGrammar, tokenizer_info
 from glm_ray.engine.tokenizer import load_tokenizer
-from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables
+from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables, stage
 from glm_ray.layers.indexer import Indexer
 from glm_ray.worker import warmup
 from glm_ray.worker.cache import allocate_caches, kv_bytes_per_token
@@ -200,7 +201,7 @@ class ModelRunner:
             return PendingStep(done=ModelRunnerOutput() if tp_rank() == 0 else None)
         seqs = step.seqs
         try:
-            flat = [t for s in seqs for t in s.token_ids]
+            flat = list(itertools.chain.from_iterable(s.token_ids for s in seqs))
             if self.faults is not None:
                 self.faults.before_forward(flat)
             patch = self._placeholders(seqs, flat)
@@ -208,15 +209,15 @@ class ModelRunner:
             tables = [self.requests[s.req_id].block_ids for s in seqs]
             # rows of hidden states to turn into logits: every sampling seq's last token, plus the
             # prompt positions of seqs that want prompt logprobs
-            ends = torch.tensor(qlens).cumsum(0)
-            sample_rows = [int(ends[i]) - 1 for i, s in enumerate(seqs) if s.sample]
+            ends = list(itertools.accumulate(qlens))
+            sample_rows = [ends[i] - 1 for i, s in enumerate(seqs) if s.sample]
             start = self.timeline.mark() if self.timeline is not None else None
             if self._graph_step(seqs):
                 self.num_graph_steps += 1
                 t1 = time.perf_counter()
                 hidden = self._replay(seqs, flat, tables, patch)                  # [B, D]
             else:
-                ids = torch.tensor(flat, dtype=torch.long).to(self.device)
+                ids = stage([np.fromiter(flat, dtype=np.int64, count=len(flat))], self.device)[0]   # [T]
                 if patch is not None:
                     ids[patch[0]] = patch[1]
                 batch = build_forward_batch(qlens, [s.start_pos + len(s.token_ids) for s in seqs], tables,
