@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from glm_ray.staging import stage
+
 
 @dataclass(eq=False)
 class AttnGroup:
@@ -144,27 +146,6 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
                                 mla_mode=mode if mla_mode == "auto" else mla_mode, state_slots=d[7],
                                 state_fresh=d[8], row_span=_span(h[0])))
     return ForwardBatch(positions=dev[0], slot_mapping=dev[1], groups=tuple(groups), max_context_len=int(cl.max()))
-
-
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}
-
-
-def stage(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Many small host arrays -> tensors on `device` with one copy: packed at 8-byte-aligned offsets
-    into one byte buffer (pinned on CUDA, from torch's caching host allocator, which keeps a block
-    until the copy that read it has run), copied asynchronously, viewed back per array on the device
-    (int64 / int32 / bool; no kernel per array). On the CPU the views share the host buffer."""
-    offs, n = [], 0
-    for a in arrays:
-        offs.append(n)
-        n += -(-a.nbytes // 8) * 8
-    buf = torch.empty(max(n, 8), dtype=torch.uint8, pin_memory=device.type == "cuda")
-    view = buf.numpy()
-    for a, o in zip(arrays, offs):
-        view[o:o + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-    if device.type != "cpu":
-        buf = buf.to(device, non_blocking=True)
-    return [buf[o:o + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for a, o in zip(arrays, offs)]
 
 
 def _span(token_index: np.ndarray) -> tuple[int, int] | None:

@@ -162,7 +162,7 @@ def test_stage_packs_every_array_into_one_buffer():
     shape, empty arrays included."""
     import numpy as np
 
-    from glm_ray.forward_batch import stage
+    from glm_ray.staging import stage
     arrays = [np.arange(5, dtype=np.int64), np.array([[True, False, True]]), np.arange(7, dtype=np.int32) - 3,
               np.zeros((2, 0), dtype=np.int64), np.array([2**40, -1], dtype=np.int64)]
     out = stage(arrays, torch.device("cpu"))

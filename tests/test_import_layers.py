@@ -28,7 +28,8 @@ LAYERS: list[tuple[str, ...]] = [            # top to bottom
     ("glm_ray.distributed",),
     ("glm_ray.engine.contract", "glm_ray.engine.sampling_params", "glm_ray.engine.outputs",
      "glm_ray.engine.errors", "glm_ray.engine.structured", "glm_ray.engine.tokenizer"),
-    ("glm_ray.config", "glm_ray.forward_batch", "glm_ray.layer_contracts", "glm_ray.weights", "glm_ray.envs"),
+    ("glm_ray.config", "glm_ray.forward_batch", "glm_ray.layer_contracts", "glm_ray.weights", "glm_ray.envs",
+     "glm_ray.staging"),
 ]
 
 # Function-level imports of glm_ray that stay, each deferred on purpose: (module, imported) -> why.

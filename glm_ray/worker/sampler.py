@@ -10,20 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.structured import TokenBitmask, apply_token_bitmask
-
-
-def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small host list as a device tensor without a host sync: through pinned memory with an
-    asynchronous copy on CUDA (a pageable host->device copy first waits for the whole stream, which
-    would stall the host on the step still running on the GPU)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+from glm_ray.staging import stage, to_device
 
 
 @dataclass
@@ -77,12 +69,13 @@ def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, then top-k / top-p / min-p as masks in sorted space (only rows that ask)."""
     dev = logits.device
-    temp = to_device([max(r.params.temperature, 1e-5) for r in rows], dev)[:, None]
-    logits = logits / temp
-    top_k = to_device([r.params.top_k if r.params.top_k and r.params.top_k > 0 else logits.shape[1]
-                       for r in rows], dev)
-    top_p = to_device([r.params.top_p for r in rows], dev)
-    min_p = to_device([r.params.min_p for r in rows], dev)
+    temp, top_k, top_p, min_p = stage([                                          # [N] each, one copy
+        np.array([max(r.params.temperature, 1e-5) for r in rows], dtype=np.float32),
+        np.array([r.params.top_k if r.params.top_k and r.params.top_k > 0 else logits.shape[1] for r in rows],
+                 dtype=np.int64),
+        np.array([r.params.top_p for r in rows], dtype=np.float32),
+        np.array([r.params.min_p for r in rows], dtype=np.float32)], dev)
+    logits = logits / temp[:, None]
     if any((r.params.top_k or 0) > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in rows):
         sorted_logits, order = logits.sort(dim=-1, descending=True)               # [N, V]
         ranks = torch.arange(logits.shape[1], device=dev)[None, :]
