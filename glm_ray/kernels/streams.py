@@ -1,7 +1,7 @@
 """The second CUDA stream a decode-sized layer forks independent work onto, and which "lane" (main or
 side) the running code is on. One side stream per device, created on first use outside graph capture
-(the warm-up steps run eagerly first). Layers ask `side_stream_for(x, limit)` and run the forked work
-under `on_side(stream)`; kernels that keep per-launch device state (fp8_small_m's arrival counters) key
+(the warm-up steps run eagerly first). Layers ask `side_stream_for(x, limit)`, run the forked work
+under `forked(stream)` and `join(stream)` before reading it; kernels that keep per-launch device state (fp8_small_m's arrival counters) key
 it by `lane()`, so launches that may run concurrently never share it. Owned here, below both the layers
 and the kernels, so neither needs a device check of its own.
 
@@ -50,10 +50,25 @@ def on_side(stream: torch.cuda.Stream):
         _LANE.value = prev
 
 
+@contextmanager
+def forked(side: torch.cuda.Stream):
+    """Fork the block onto the side lane: `side` first waits for everything the main (current) stream
+    has queued, then the block's launches go to it. The caller calls `join(side)` before the main stream
+    reads what the block wrote."""
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    with on_side(side):
+        yield
+
+
+def join(side: torch.cuda.Stream) -> None:
+    """The main (current) stream waits for everything queued on `side` (the fork's outputs are ready)."""
+    torch.cuda.current_stream(side.device).wait_stream(side)
+
+
 def lane() -> int:
     """0 on the main lane (whatever stream it runs on: the default one, a graph's capture stream), 1 inside
     `on_side`."""
     return getattr(_LANE, "value", 0)
 
 
-__all__ = ["LANES", "lane", "on_side", "side_stream_for"]
+__all__ = ["LANES", "forked", "join", "lane", "on_side", "side_stream_for"]

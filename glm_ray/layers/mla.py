@@ -28,7 +28,7 @@ from torch import nn
 from glm_ray import envs, kernels
 from glm_ray.config import ModelConfig
 from glm_ray.forward_batch import AttnGroup, ForwardBatch
-from glm_ray.kernels.streams import on_side, side_stream_for
+from glm_ray.kernels.streams import forked, join, side_stream_for
 from glm_ray.layers.indexer import Indexer
 from glm_ray.layers.kpool_indexer import KPoolIndexer
 from glm_ray.layers.linear import ColumnParallelLinear, MergedReplicatedLinear, ReplicatedLinear, RowParallelLinear
@@ -124,9 +124,7 @@ class MLAAttention(nn.Module):
             ckv = self.kv_a_proj_with_mqa(x)                                    # [T, r+dr]
         side = side_stream_for(x, self.side_stream_tokens)                     # decode: cache writes beside q
         if side is not None:
-            main = torch.cuda.current_stream(x.device)
-            side.wait_stream(main)
-            with on_side(side):
+            with forked(side):
                 self._write_caches(x, ckv, batch, rope, kv_cache, index_cache)
         else:
             self._write_caches(x, ckv, batch, rope, kv_cache, index_cache)
@@ -138,8 +136,7 @@ class MLAAttention(nn.Module):
         early = (side is not None and self.indexer is not None and index_queries and not out
                  and all(g.mla_mode == "absorbed" and g.q_index.shape[1] == 1 for g in batch.groups))
         if early:
-            side.wait_stream(main)
-            with on_side(side):
+            with forked(side):                                                  # after q_resid, too
                 iq = self.indexer.queries(x, q_resid, rope, out.get("iq"), out.get("iw"))   # [T, Hi, di], [T, Hi]
                 sels = tuple(self.indexer.select(g, iq, index_cache) if g.max_context_len > self.indexer.topk
                              else None for g in batch.groups)
@@ -152,7 +149,7 @@ class MLAAttention(nn.Module):
         if self.indexer is not None and index_queries and not early:
             iq = self.indexer.queries(x, q_resid, rope, out.get("iq"), out.get("iw"))   # [T, Hi, di], [T, Hi]
         if side is not None:
-            main.wait_stream(side)                                              # caches written, selections made
+            join(side)                                                          # caches written, selections made
         return MLAQuery(q, iq, sels)
 
     def _write_caches(self, x: torch.Tensor, ckv: torch.Tensor, batch: ForwardBatch, rope: RopeCache | None,

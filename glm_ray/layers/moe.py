@@ -13,7 +13,7 @@ from torch import nn
 from glm_ray import envs, kernels
 from glm_ray.config import ModelConfig
 from glm_ray.distributed.parallel_state import all_reduce, tp_rank
-from glm_ray.kernels.streams import on_side, side_stream_for
+from glm_ray.kernels.streams import forked, join, side_stream_for
 from glm_ray.layer_contracts import LayerKind, MoEContract
 from glm_ray.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from glm_ray.weights import load_sharded, set_weight_attrs
@@ -115,14 +115,12 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             side = side_stream_for(x, self.side_stream_tokens)
         if side is not None:                                                     # decode: fork the shared experts
-            main = torch.cuda.current_stream(x.device)
-            side.wait_stream(main)
-            with on_side(side):
+            with forked(side):
                 shared = self.shared_experts(x)                                  # [T, D]
         topk_weights, topk_ids = self.gate(x)                                    # [T, K] each
         y = self.experts(x, topk_weights, topk_ids)                              # [T, D] partial over TP
         if side is not None:
-            main.wait_stream(side)                                               # join before the sum
+            join(side)                                                           # before the sum
             y = y + shared
         elif self.shared_experts is not None:
             y = y + self.shared_experts(x)
