@@ -1,6 +1,7 @@
 """Case builders shared by the cuda-backend tests (CPU interpreter + GPU) and scripts/bench_kernels.py:
 checkpoint-format expert weights (per-half block-FP8 scales, packed MXFP4) with the padding layout of
-quant_contracts.md §4.6, routings, and the error metric. Pure torch; no Triton.
+quant_contracts.md §4.6, routings, the error metrics, and (tests only) the interpreted Triton module
+fixture body. Pure torch at import; Triton and pytest only inside `interpreted`.
 """
 from __future__ import annotations
 
@@ -17,6 +18,42 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in fp32 (the tests' tolerance metric)."""
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+ULP_BF16 = 2.0 ** -7                 # one bf16 ulp, relative to the value, at worst
+
+
+def assert_within_one_bf16_ulp(y: torch.Tensor, r: torch.Tensor) -> None:
+    """Every element of y within one bf16 ulp of r (relative), plus 1e-6 of r's largest magnitude."""
+    y, r = y.float(), r.float()
+    bound = ULP_BF16 * r.abs() + 1e-6 * r.abs().max()
+    assert ((y - r).abs() <= bound).all(), float(((y - r).abs() / bound).max())
+
+
+def interpreted(module: str):
+    """`glm_ray.kernels.cuda.<module>` with its Triton kernels interpreted, for a CPU test's fixture; skips
+    without triton, or when triton was imported before TRITON_INTERPRET=1 could be set (a GPU machine, an
+    earlier import): the interpreter must be on when triton itself is imported, so the test modules set it
+    at collection time on machines without a GPU."""
+    import importlib
+    import os
+
+    import pytest
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set (GPU machine or earlier import)")
+    mod = importlib.import_module(f"glm_ray.kernels.cuda.{module}")
+    if not mod.INTERPRET:
+        pytest.skip(f"{module} was imported in compiled mode")
+    return mod
+
+
+def grouped_moe(c: "MoECase", w_mode: str, **kw) -> torch.Tensor:
+    """A case through the grouped `fused_moe_triton` (the older cuda-backend MoE both newer kernels are
+    checked against)."""
+    from glm_ray.kernels.cuda import triton_kernels as tk
+    return tk.fused_moe_triton(c.x, c.w13, c.w2, c.topk_weights, c.topk_ids, w_mode=w_mode, w13_scale=c.s13,
+                               w2_scale=c.s2, hidden_pad=c.hidden_pad, intermediate_pad=c.intermediate_pad, **kw)
 
 
 def routing(t: int, e: int, k: int, *, seed: int = 0, device="cpu", skew: float = 0.0):

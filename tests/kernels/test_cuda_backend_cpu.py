@@ -26,7 +26,7 @@ from glm_ray.kernels.torch_ref import quant_ops as ref
 from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
 from glm_ray.kernels.torch_ref.fp8 import dequant_block_fp8, per_token_group_quant_fp8
 from glm_ray.kernels.torch_ref.mxfp4 import SCALE_MODES, qdq_mxfp4, quant_mxfp4
-from tests.kernels.cases import dense_fp8_case, moe_case, rel_err, routing
+from tests.kernels.cases import dense_fp8_case, interpreted, moe_case, rel_err, routing
 
 BF16 = torch.bfloat16
 
@@ -237,13 +237,7 @@ def interp():
     """glm_ray/kernels/cuda/triton_kernels.py with its kernels interpreted. The interpreter must be on
     when triton itself is imported (its standard-library functions, e.g. tl.max, are built then), so
     this module switches it on at collection time on machines without a GPU (see the top of the file)."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set (GPU machine or earlier import)")
-    from glm_ray.kernels.cuda import triton_kernels as tk
-    if not tk.INTERPRET:
-        pytest.skip("triton_kernels was imported in compiled mode")
-    return tk
+    return interpreted("triton_kernels")
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])

@@ -21,7 +21,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 from glm_ray.kernels.cuda import layout as L
 from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
-from tests.kernels.cases import dense_fp8_case, rel_err
+from tests.kernels.cases import dense_fp8_case, interpreted, rel_err
 
 BF16 = torch.bfloat16
 TOL = 1e-5
@@ -30,13 +30,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def sm():
     """fp8_small_m with its kernels interpreted (skipped if triton was imported compiled: GPU machine)."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set (GPU machine or earlier import)")
-    from glm_ray.kernels.cuda import fp8_small_m
-    if not fp8_small_m.INTERPRET:
-        pytest.skip("triton_kernels was imported in compiled mode")
-    return fp8_small_m
+    return interpreted("fp8_small_m")
 
 
 def _check(y, x, w, s, ue8m0):

@@ -25,21 +25,14 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 from glm_ray.kernels.torch_ref import fused_moe as ref_fused_moe
 from glm_ray.kernels.torch_ref import quant_ops as ref
-from tests.kernels.cases import moe_case, rel_err
+from tests.kernels.cases import assert_within_one_bf16_ulp, grouped_moe, interpreted, moe_case, rel_err
 
 E, D = 8, 256
-ULP_BF16 = 2.0 ** -7                 # one bf16 ulp, relative to the value, at worst
 
 
 @pytest.fixture(scope="module")
 def md():
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set (GPU machine or earlier import)")
-    from glm_ray.kernels.cuda import moe_decode
-    if not moe_decode.INTERPRET:
-        pytest.skip("triton_kernels was imported in compiled mode")
-    return moe_decode
+    return interpreted("moe_decode")
 
 
 def _case(fmt, t, i, k, *, hp=0, ip=0, dtype=torch.bfloat16, seed=0):
@@ -58,24 +51,12 @@ def _decode(md, fmt, c, config=None, **kw):
                                config=config, **kw)
 
 
-def _grouped(md, fmt, c, **kw):
-    from glm_ray.kernels.cuda import triton_kernels as tk
-    return tk.fused_moe_triton(c.x, c.w13, c.w2, c.topk_weights, c.topk_ids, w_mode=fmt, w13_scale=c.s13,
-                               w2_scale=c.s2, hidden_pad=c.hidden_pad, intermediate_pad=c.intermediate_pad, **kw)
-
-
 def _ref(fmt, c, **kw):
     if fmt == "bf16":
         return ref_fused_moe(c.x, c.w13, c.w2, c.topk_weights, c.topk_ids, intermediate_pad=c.intermediate_pad,
                              swiglu_limit=kw.get("swiglu_limit"))
     return ref.fused_moe_block_fp8(c.x, c.w13, c.s13, c.w2, c.s2, c.topk_weights, c.topk_ids,
                                    hidden_pad=c.hidden_pad, intermediate_pad=c.intermediate_pad, **kw)
-
-
-def _within_one_ulp(y, r):
-    y, r = y.float(), r.float()
-    bound = ULP_BF16 * r.abs() + 1e-6 * r.abs().max()
-    assert ((y - r).abs() <= bound).all(), float(((y - r).abs() / bound).max())
 
 
 CASES = [
@@ -94,16 +75,16 @@ def test_decode_moe_matches_reference_and_grouped(md, fmt, t, i, k, hp, ip, dt, 
     c = _case(fmt, t, i, k, hp=hp, ip=ip, dtype=dt)
     y = _decode(md, fmt, c, **kw)
     assert y.shape == c.x.shape and y.dtype == c.x.dtype
-    r, g = _ref(fmt, c, **kw), _grouped(md, fmt, c, **kw)
+    r, g = _ref(fmt, c, **kw), grouped_moe(c, fmt, **kw)
     if fmt == "bf16":
         assert rel_err(y, r) <= 1e-2, rel_err(y, r)
-        _within_one_ulp(y, g)
+        assert_within_one_bf16_ulp(y, g)
     elif dt == torch.float32:
         assert rel_err(y, r) <= 1e-5, rel_err(y, r)
         assert rel_err(y, g) <= 1e-5, rel_err(y, g)
     else:
-        _within_one_ulp(y, r)
-        _within_one_ulp(y, g)
+        assert_within_one_bf16_ulp(y, r)
+        assert_within_one_bf16_ulp(y, g)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")

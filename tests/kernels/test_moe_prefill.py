@@ -24,21 +24,14 @@ from glm_ray.kernels.cuda import layout as L
 from glm_ray.kernels.cuda.layout import TileConfig
 from glm_ray.kernels.torch_ref import quant_ops as ref
 from glm_ray.kernels.torch_ref.fp8 import per_token_group_quant_fp8
-from tests.kernels.cases import moe_case, rel_err
+from tests.kernels.cases import assert_within_one_bf16_ulp, grouped_moe, interpreted, moe_case, rel_err
 
 E, D, I, K = 4, 256, 256, 2
-ULP_BF16 = 2.0 ** -7
 
 
 @pytest.fixture(scope="module")
 def mp():
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set (GPU machine or earlier import)")
-    from glm_ray.kernels.cuda import moe_prefill
-    if not moe_prefill.INTERPRET:
-        pytest.skip("triton_kernels was imported in compiled mode")
-    return moe_prefill
+    return interpreted("moe_prefill")
 
 
 def _case(t, *, d=D, i=I, hp=0, ip=0, dtype=torch.float32, seed=0, empty=()):
@@ -63,20 +56,12 @@ def _prefill(mp, c, configs=None, **kw):
 
 
 def _grouped(c, **kw):
-    from glm_ray.kernels.cuda import triton_kernels as tk
-    return tk.fused_moe_triton(c.x, c.w13, c.w2, c.topk_weights, c.topk_ids, w_mode="fp8", w13_scale=c.s13,
-                               w2_scale=c.s2, hidden_pad=c.hidden_pad, intermediate_pad=c.intermediate_pad, **kw)
+    return grouped_moe(c, "fp8", **kw)
 
 
 def _ref(c, **kw):
     return ref.fused_moe_block_fp8(c.x, c.w13, c.s13, c.w2, c.s2, c.topk_weights, c.topk_ids,
                                    hidden_pad=c.hidden_pad, intermediate_pad=c.intermediate_pad, **kw)
-
-
-def _within_one_ulp(y, r):
-    y, r = y.float(), r.float()
-    bound = ULP_BF16 * r.abs() + 1e-6 * r.abs().max()
-    assert ((y - r).abs() <= bound).all(), float(((y - r).abs() / bound).max())
 
 
 CASES = [
@@ -106,7 +91,7 @@ def test_prefill_moe_bf16_within_one_ulp_of_grouped_and_default_configs(mp):
     c = _case(33, dtype=torch.bfloat16, empty=(2,), seed=5)
     y = _prefill(mp, c, swiglu_limit=1.0)                       # configs from layout.moe_prefill_configs
     assert y.dtype == torch.bfloat16
-    _within_one_ulp(y, _grouped(c, swiglu_limit=1.0))
+    assert_within_one_bf16_ulp(y, _grouped(c, swiglu_limit=1.0))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")   # sigmoid(-huge) = 0
@@ -163,7 +148,7 @@ def test_dispatch_takes_the_prefill_kernels_and_falls_back_to_the_grouped_ones(m
 
     def run(c):
         return ck.fused_moe_block_fp8(c.x, c.w13, c.s13, c.w2, c.s2, c.topk_weights, c.topk_ids)
-    _within_one_ulp(run(big), _grouped(big))
+    assert_within_one_bf16_ulp(run(big), _grouped(big))
     assert calls == [16]
     torch.testing.assert_close(run(small), _grouped(small), rtol=0, atol=0)   # below the threshold: grouped
     assert calls == [16] and not ck.fallbacks and not ck.broken
