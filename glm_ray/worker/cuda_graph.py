@@ -80,19 +80,19 @@ class DecodeGraphs:
         self.device = device
         n = self.buckets[-1]
         i64, i32 = torch.int64, torch.int32
-        self.ids = torch.zeros(n, dtype=i64, device=device)                 # [N]
-        self.positions = torch.zeros(n, dtype=i64, device=device)           # [N]
-        self.slot_mapping = torch.zeros(n, dtype=i64, device=device)        # [N]
+        # the int64 rows live in one [4, N] buffer so a step stages them with one copy
+        self._rows = torch.zeros(4, n, dtype=i64, device=device)            # [4, N]
+        self.ids, self.positions, self.slot_mapping, self.state_slots = self._rows.unbind(0)   # [N] each
         self.block_table = torch.zeros(n, max_blocks, dtype=i32, device=device)   # [N, nb]
         self.context_lens = torch.ones(n, dtype=i32, device=device)         # [N]
-        self.state_slots = torch.zeros(n, dtype=i64, device=device)         # [N]
         self.state_fresh = torch.zeros(n, dtype=torch.bool, device=device)  # [N]
         self._pad = dict(block=pad_block, slot=pad_block * block_size, state=pad_state_slot)
         # host staging, pinned so the per-step copies are asynchronous; two sets, alternating, so a step
         # staged while the previous one's copies may still be queued (async scheduling) never overwrites
         # them: a set is reused only after the event recorded behind its copies
         pin = device.type == "cuda"
-        self._h_rows = [torch.zeros(5, n, dtype=i64, pin_memory=pin) for _ in range(2)]   # ids, pos, slot, ctx, state
+        self._h_rows = [torch.zeros(4, n, dtype=i64, pin_memory=pin) for _ in range(2)]   # ids, pos, slot, state
+        self._h_ctx = [torch.ones(n, dtype=i32, pin_memory=pin) for _ in range(2)]          # context lens
         self._h_bt = [torch.zeros(n * max_blocks, dtype=i32, pin_memory=pin) for _ in range(2)]   # [B, w] used
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._set = 0
@@ -182,9 +182,12 @@ class DecodeGraphs:
         k = self._set = 1 - self._set                                       # the other staging set
         if self._copied[k] is not None and not self._copied[k].query():
             self._copied[k].synchronize()      # its copies (two steps ago) still running: rare, async only
-        h = self._h_rows[k]
-        h[:, :B] = torch.tensor([token_ids, positions, slots, [p + 1 for p in positions], state_slots],
-                                dtype=torch.int64)
+        h, hc = self._h_rows[k], self._h_ctx[k]
+        rows = h.numpy()                                                    # same memory
+        rows[0, :B], rows[1, :B], rows[2, :B], rows[3, :B] = token_ids, positions, slots, state_slots
+        ctx = hc.numpy()
+        ctx[:B] = positions
+        ctx[:B] += 1
         # only the columns in use: entries past a sequence's blocks are never read (kernels stop at
         # context_lens; the references mask past it)
         # staged compactly as [B, w] (contiguous: a strided pinned source would go through a pageable
@@ -194,11 +197,12 @@ class DecodeGraphs:
         bt = hb.numpy()                                                     # same memory
         for i, t in enumerate(block_tables):                                # per sequence, not per token
             bt[i, :len(t)] = t
-        self.ids[:B].copy_(h[0, :B], non_blocking=True)
-        self.positions[:B].copy_(h[1, :B], non_blocking=True)
-        self.slot_mapping[:B].copy_(h[2, :B], non_blocking=True)
-        self.context_lens[:B].copy_(h[3, :B], non_blocking=True)
-        self.state_slots[:B].copy_(h[4, :B], non_blocking=True)
+        # three copies, each from pinned memory in the destination's dtype (a converting copy would go
+        # through a pageable temporary). All four int64 rows at once: columns past B carry an older
+        # step's values, which rows B..Bp get overwritten by the padding below and rows past Bp are
+        # never read by the bucket-Bp graph
+        self._rows.copy_(h, non_blocking=True)
+        self.context_lens[:B].copy_(hc[:B], non_blocking=True)
         self.block_table[:B, :w].copy_(hb, non_blocking=True)
         if self.device.type == "cuda":
             self._copied[k] = torch.cuda.Event()
