@@ -327,7 +327,8 @@ class ModelRunner:
             row += len(s.token_ids)
         if not dst:
             return None
-        return to_device(dst, self.device, torch.long), self._last_tokens[to_device(src, self.device, torch.long)]
+        rows, picks = stage([np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)], self.device)   # one copy
+        return rows, self._last_tokens[picks]
 
     def _graph_step(self, seqs) -> bool:
         """A pure-decode step the captured graphs cover (no prompt logprobs, sizes within the buckets)."""
