@@ -21,8 +21,9 @@
 #                 expert shapes (#20 item 3); pick the best per size class into layout.moe_configs
 #   PART=sparse   the sparse MLA prefill's tile walks (bench.attention --sparse-tiles, 1x8k / 4x8k at h = 32 and 64),
 #                 the MLA prefill GPU test (every walk), then bench.prefill piecewise at 1x8192 (#20 measure 1)
-#   PART=steps    bench.prefill piecewise (8x1024, 1x8192; glm5-flash-31b + glm5-slice-6l) and bench.decode graphs
-#                 (B = 1 / 64, context 1k / 8k, glm5-flash-31b): session 22's unmeasured rope rewrite and fused q_a/kv_a
+#   PART=steps    bench.prefill piecewise (8x1024, 1x8192; glm5-flash-31b + glm5-slice-6l; 3 profiled steps each,
+#                 their Chrome traces and per-step GPU gaps from scripts/trace_steps.py) and bench.decode graphs
+#                 (B = 1 / 64, context 1k / 8k, glm5-flash-31b): the step as a whole after host-side changes
 #   PART=all      tests, prefill, grammar, indexer, mixed, orch, firstuse, step
 # Needs xgrammar importable (the engine imports it). The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
 # scripts/device_h200_served.sh with Ray and xgrammar importable (docs/performance.md, "Reproducing on a GPU machine without a package index").
@@ -113,8 +114,12 @@ if [ $PART = steps ]; then
   echo "== bench.prefill piecewise" >> $S
   timeout ${STEP_LIM:-230} python3 -m glm_ray.bench.prefill ${PIECE_MODELS:-glm5-flash-31b glm5-slice-6l} \
      --shape ${PIECE_SHAPES:-8x1024 1x8192} --quant fp8 --device cuda --profile-top 14 --modes piecewise \
-     --piecewise-max-tokens ${PIECE_MAX:-8192} --json $OUT/prefill_steps.jsonl > $OUT/prefill_steps.log 2>&1; echo "rc=$?" >> $S
+     --piecewise-max-tokens ${PIECE_MAX:-8192} --profile-steps 3 --trace $OUT/traces \
+     --json $OUT/prefill_steps.jsonl > $OUT/prefill_steps.log 2>&1; echo "rc=$?" >> $S
   grep -A 18 "^ *model |" $OUT/prefill_steps.log | grep -vE "INFO|WARNING" | head -80 >> $S
+  echo "== per-step GPU gaps (scripts/trace_steps.py)" >> $S
+  for f in $OUT/traces/*.json; do echo "-- $(basename $f)"; python3 scripts/trace_steps.py $f --top 6; done >> $S 2>&1
+  gzip -q $OUT/traces/*.json
   echo "== bench.decode graphs" >> $S
   timeout ${DECODE_LIM:-160} python3 -m glm_ray.bench.decode glm5-flash-31b --batch 1 64 --context 1024 8192 --mode graph \
      --quant fp8 --device cuda --profile-top 12 --json $OUT/decode_steps.jsonl > $OUT/decode_steps.log 2>&1; echo "rc=$?" >> $S
