@@ -32,7 +32,7 @@ source "$(dirname "$0")/device_common.sh"; S=$OUT/summary.txt; PART=${PART:-all}
 MDIR=$(python3 -c "from pathlib import Path; from glm_ray.bench.decode import model_dir_for; print(model_dir_for('glm5-flash-31b', 'fp8', Path('/tmp/models')))")
 if [ $PART = all ] || [ $PART = tests ]; then
   echo "== gpu tests" >> $S
-  for f in ${TESTS:-tests/gpu/test_cuda_rope.py tests/gpu/test_cuda_moe_align.py tests/gpu/test_cuda_indexer.py tests/gpu/test_cuda_mla_prefill.py tests/gpu/test_cuda_graphs.py tests/gpu/test_piecewise_graphs.py tests/gpu/test_gpu_glm5_next.py}; do
+  for f in ${TESTS:-tests/gpu/test_cuda_rope.py tests/gpu/test_cuda_moe_align.py tests/gpu/test_cuda_indexer.py tests/gpu/test_cuda_mla_prefill.py tests/gpu/test_cuda_graphs.py tests/gpu/test_piecewise_graphs.py tests/gpu/test_gpu_glm5_next.py tests/gpu/test_pinned_staging.py}; do
     timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider $f > $OUT/t.log 2>&1; rc=$?
     echo "$(basename $f) rc=$rc $(tail -1 $OUT/t.log)" >> $S
     grep -E "^(FAILED|ERROR|E  )" $OUT/t.log | cut -c1-300 | head -30 >> $S; cat $OUT/t.log >> $OUT/gpu_tests.log
