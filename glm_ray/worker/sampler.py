@@ -57,12 +57,13 @@ def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     blocked = [(i, list(r.eos_ids) + list(r.params.stop_token_ids)) for i, r in enumerate(rows)
                if len(r.output_ids) < r.params.min_tokens]
-    if not blocked:
+    rows_i = [i for i, ids in blocked for _ in ids]
+    if not rows_i:
         return logits
+    r, c = stage([np.asarray(rows_i, dtype=np.int64),                              # [P] each, one copy
+                  np.asarray([t for _, ids in blocked for t in ids], dtype=np.int64)], logits.device)
     logits = logits.clone()
-    for i, ids in blocked:
-        if ids:
-            logits[i, ids] = float("-inf")
+    logits[r, c] = float("-inf")
     return logits
 
 
