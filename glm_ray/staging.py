@@ -24,15 +24,21 @@ _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int3
                  np.dtype(np.float32): torch.float32}
 
 
+# Every staged array starts on a 256-byte boundary, as the CUDA caching allocator's own blocks do: Triton
+# specializes a kernel on whether each pointer argument is 16-byte aligned (and TMA needs it), so a view at
+# an odd offset would compile another variant of every kernel it reaches, at run time.
+ALIGN = 256
+
+
 def stage(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Many small host arrays -> tensors on `device` with one copy: packed at 8-byte-aligned offsets
+    """Many small host arrays -> tensors on `device` with one copy: packed at `ALIGN`-byte offsets
     into one byte buffer (pinned on CUDA, from torch's caching host allocator, which keeps a block
     until the copy that read it has run), copied asynchronously, viewed back per array on the device
     (int64 / int32 / bool / float32; no kernel per array). On the CPU the views share the host buffer."""
     offs, n = [], 0
     for a in arrays:
         offs.append(n)
-        n += -(-a.nbytes // 8) * 8
+        n += -(-a.nbytes // ALIGN) * ALIGN
     buf = torch.empty(max(n, 8), dtype=torch.uint8, pin_memory=device.type == "cuda")
     view = buf.numpy()
     for a, o in zip(arrays, offs):
@@ -42,4 +48,4 @@ def stage(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     return [buf[o:o + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for a, o in zip(arrays, offs)]
 
 
-__all__ = ["stage", "to_device"]
+__all__ = ["ALIGN", "stage", "to_device"]

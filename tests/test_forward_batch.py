@@ -162,10 +162,12 @@ def test_stage_packs_every_array_into_one_buffer():
     shape, empty arrays included."""
     import numpy as np
 
-    from glm_ray.staging import stage
+    from glm_ray.staging import ALIGN, stage
     arrays = [np.arange(5, dtype=np.int64), np.array([[True, False, True]]), np.arange(7, dtype=np.int32) - 3,
               np.zeros((2, 0), dtype=np.int64), np.array([2**40, -1], dtype=np.int64)]
     out = stage(arrays, torch.device("cpu"))
     for a, t in zip(arrays, out):
         assert t.shape == a.shape and t.numpy().dtype == a.dtype and (t.numpy() == a).all()
     assert len({t.untyped_storage().data_ptr() for t in out}) == 1
+    base = out[0].untyped_storage().data_ptr()                   # (a device buffer's base is allocator-aligned)
+    assert all((t.data_ptr() - base) % ALIGN == 0 for t in out if t.numel())

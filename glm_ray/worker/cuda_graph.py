@@ -81,8 +81,9 @@ class DecodeGraphs:
         n = self.buckets[-1]
         i64, i32 = torch.int64, torch.int32
         # the int64 rows live in one [4, N] buffer so a step stages them with one copy
-        self._rows = torch.zeros(4, n, dtype=i64, device=device)            # [4, N]
-        self.ids, self.positions, self.slot_mapping, self.state_slots = self._rows.unbind(0)   # [N] each
+        # (rows padded to 32 entries: each starts 256-byte aligned, as a buffer of its own would)
+        self._rows = torch.zeros(4, -(-n // 32) * 32, dtype=i64, device=device)   # [4, N'] N' >= N
+        self.ids, self.positions, self.slot_mapping, self.state_slots = self._rows[:, :n].unbind(0)   # [N] each
         self.block_table = torch.zeros(n, max_blocks, dtype=i32, device=device)   # [N, nb]
         self.context_lens = torch.ones(n, dtype=i32, device=device)         # [N]
         self.state_fresh = torch.zeros(n, dtype=torch.bool, device=device)  # [N]
@@ -91,7 +92,7 @@ class DecodeGraphs:
         # staged while the previous one's copies may still be queued (async scheduling) never overwrites
         # them: a set is reused only after the event recorded behind its copies
         pin = device.type == "cuda"
-        self._h_rows = [torch.zeros(4, n, dtype=i64, pin_memory=pin) for _ in range(2)]   # ids, pos, slot, state
+        self._h_rows = [torch.zeros_like(self._rows, device="cpu", pin_memory=pin) for _ in range(2)]   # ids, pos, slot, state
         self._h_ctx = [torch.ones(n, dtype=i32, pin_memory=pin) for _ in range(2)]          # context lens
         self._h_bt = [torch.zeros(n * max_blocks, dtype=i32, pin_memory=pin) for _ in range(2)]   # [B, w] used
         self._copied: list[torch.cuda.Event | None] = [None, None]
