@@ -24,6 +24,10 @@ they are read), and checks its greedy ids step by step against the synchronous p
 Per row:
 * step_ms — median wall time of `execute` (the runner's host sync on the sampled tokens included);
 * replay_call_ms — host time inside the graph replay call (cudaGraphLaunch) per step, unprofiled;
+* host_split_ms — medians of the runner's own step timings (`ModelRunnerOutput.timings`): `prepare` (request
+  state, token ids, the eager path's batch build and copy), `forward` (the forward's launches, or the graph
+  path's input staging + replay call; the logits' launch), `sample` (sampling's launches, the wait for the
+  ids, the outputs);
 * host_ms — step_ms minus the time the host waited for the device: on CUDA the runner's `sample` is
   wrapped to synchronize right after sampling is launched, and that wait is subtracted (the host's own
   work: inputs, launches or graph replay, sampling bookkeeping); on CPU the host does everything;
@@ -573,7 +577,7 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
     saved = snapshot_states(worker, batch) if overlap else []
     case = DecodeCase(worker, batch, context, total, f"{model}-{mode}", seed)
     probe = SyncWaitProbe(cuda)
-    walls, waits, cpus, replays = [], [], [], []
+    walls, waits, cpus, replays, splits = [], [], [], [], []
     try:
         for _ in range(max(1, warmup)):                           # the first step registers the requests
             case.step()
@@ -590,6 +594,7 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
                 walls.append(time.perf_counter() - t0)
                 cpus.append(time.thread_time() - c0)
                 waits.append(probe.take())
+                splits.append(out.timings if out is not None else {})
                 case.advance(out)
             host_src = "wall-minus-sync" if (probe.active or not cuda) else "thread-cpu"
         graph_steps = worker.runner.num_graph_steps - g0                # timed steps that replayed a graph
@@ -616,7 +621,7 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
     ovl_ms = statistics.median(ovl_walls) * 1e3 if ovl_walls else float("nan")
     mismatch = first_mismatch(case.history, ovl_case.history) if ovl_case is not None else None
     return {"model": model, "quant": quant, "mode": mode, "batch": batch, "context": context, "steps": steps,
-            "step_ms": step_ms, "host_ms": host_ms,
+            "step_ms": step_ms, "host_ms": host_ms, "host_split_ms": host_split(splits),
             "replay_call_ms": statistics.median(replays) * 1e3 if replays else float("nan"), "sync_wait_ms": statistics.median(waits) * 1e3,
             "device_ms": device_ms, "floor_ms": floor_ms, "ratio_wall": step_ms / floor_ms,
             "ratio_device": device_ms / floor_ms, "tokens_per_s": batch / step_ms * 1e3,
@@ -633,6 +638,12 @@ def run_case(worker: Worker, weights: WeightBytes, *, model: str, quant: str, mo
             "overlap_steps_checked": len(ovl_case.history) if ovl_case is not None else 0}
 
 
+def host_split(timings: list[dict[str, float]]) -> dict[str, float]:
+    """Medians in ms of the runner's prepare / forward / sample timings over the timed steps."""
+    return {k: statistics.median(t.get(k, 0.0) for t in timings) * 1e3 for k in ("prepare", "forward", "sample")
+            if timings and any(k in t for t in timings)}
+
+
 def fallback_counts() -> dict[str, int]:
     """The kernel backend's reference fallbacks so far ("op: reason" -> calls): a row whose decode
     kernels fell back measures the reference, and says so."""
@@ -647,6 +658,8 @@ def warn_mismatch(row: dict) -> None:
 
 
 def print_ops(row: dict) -> None:
+    if row.get("host_split_ms"):
+        print("  runner host split (ms, medians): " + ", ".join(f"{k} {v:.3f}" for k, v in row["host_split_ms"].items()))
     if row.get("timeline_ms"):
         print("  step timeline (ms, profiled): " + ", ".join(f"{k} {v:.3f}" for k, v in row["timeline_ms"].items()))
     print_gap_groups([GapGroup(**g) for g in row.get("gaps", [])])

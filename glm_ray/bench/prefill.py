@@ -11,7 +11,7 @@ their piecewise row says so: `pieces` 0). Each timed step
 registers B new requests with their whole prompts as one chunk (start 0, the blocks of one table per
 sequence) through the runner's `execute(SchedulerOutput)` diff, and finishes the previous step's
 requests in the same diff. Per row:
-* step_ms, host_ms, sync_wait_ms — as in `bench.decode` (host_ms = the wall time minus the host's wait
+* step_ms, host_ms, host_split_ms, sync_wait_ms — as in `bench.decode` (host_ms = the wall time minus the host's wait
   for the device right after sampling; CPU: the host does everything);
 * device_ms — kernel time per step from `torch.profiler` (`--profile-steps` extra steps; NaN on CPU);
 * flops — `prefill_flops`: the linears at one row per token (routed experts: top_k per token; kv_b_proj
@@ -31,7 +31,15 @@ import time
 
 import torch
 
-from glm_ray.bench.decode import SyncWaitProbe, dummy_worker, fallback_counts, print_ops, profile_steps_of, release
+from glm_ray.bench.decode import (
+    SyncWaitProbe,
+    dummy_worker,
+    fallback_counts,
+    host_split,
+    print_ops,
+    profile_steps_of,
+    release,
+)
 from glm_ray.bench.gpu_timing import MEASURED_BF16_TFLOPS, MEASURED_FP8_TFLOPS
 from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.config import ModelConfig
@@ -148,7 +156,7 @@ def run_case(worker: Worker, *, model: str, quant: str, batch: int, length: int,
     n_pieces = runner.num_piecewise_steps
     case = PrefillCase(worker, batch, length, f"{model}-{mode}", seed)
     probe = SyncWaitProbe(cuda)
-    walls, waits = [], []
+    walls, waits, splits = [], [], []
     try:
         for _ in range(max(1, warmup)):
             case.step()
@@ -162,6 +170,7 @@ def run_case(worker: Worker, *, model: str, quant: str, batch: int, length: int,
                 out = worker.execute(so)
                 walls.append(time.perf_counter() - t0)
                 waits.append(probe.take())
+                splits.append(out.timings if out is not None else {})
                 case.advance(out)
         device_ms, ops, dev_src, timeline, gaps = float("nan"), [], "none", {}, []
         if profile_steps and (cuda or profile_top):
@@ -177,7 +186,7 @@ def run_case(worker: Worker, *, model: str, quant: str, batch: int, length: int,
     floor = f_fp8 if quant == "fp8" else f_bf16
     return {"model": model, "quant": quant, "mode": mode, "pieces": runner.num_piecewise_steps - n_pieces,
             "batch": batch, "length": length, "tokens": batch * length,
-            "steps": steps, "step_ms": step_ms, "host_ms": host_ms, "sync_wait_ms": statistics.median(waits) * 1e3,
+            "steps": steps, "step_ms": step_ms, "host_ms": host_ms, "host_split_ms": host_split(splits), "sync_wait_ms": statistics.median(waits) * 1e3,
             "device_ms": device_ms, "floor_ms": floor, "floor_bf16_ms": f_bf16, "floor_fp8_ms": f_fp8,
             "ratio_wall": step_ms / floor, "ratio_device": device_ms / floor,
             "tflops_wall": flops["total"] / step_ms / 1e9, "flops": flops, "device_src": dev_src,

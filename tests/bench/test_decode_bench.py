@@ -32,6 +32,10 @@ def test_main_decodes_at_the_given_context(tmp_path, monkeypatch, runner_calls):
     n = warmup + steps + prof                  # decode steps each case ran
     for r in rows:
         assert r["floor_ms"] > 0 and r["step_ms"] > 0 and 0 < r["host_ms"] <= r["step_ms"] + 1e-9
+        # the runner's own split of a step: each part inside the step
+        split = r["host_split_ms"]
+        assert set(split) == {"prepare", "forward", "sample"} and min(split.values()) >= 0
+        assert split["forward"] > 0 and max(split.values()) <= r["step_ms"] * 1.05
         assert math.isnan(r["device_ms"]) and r["device_src"] == "none"          # CPU: no device time
         assert r["ratio_wall"] == pytest.approx(r["step_ms"] / r["floor_ms"])
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3)

@@ -29,6 +29,10 @@ def test_main_prefills_fresh_prompts(tmp_path, monkeypatch, runner_calls):
     for r in rows:
         assert r["pieces"] == 0                   # no graphs on the CPU: a piecewise row runs eagerly and says so
         assert r["step_ms"] > 0 and 0 < r["host_ms"] <= r["step_ms"] + 1e-9 and math.isnan(r["device_ms"])
+        # the runner's own split of a step: each part inside the step
+        split = r["host_split_ms"]
+        assert set(split) == {"prepare", "forward", "sample"} and min(split.values()) >= 0
+        assert split["forward"] > 0 and max(split.values()) <= r["step_ms"] * 1.05
         assert r["floor_ms"] == r["floor_fp8_ms"] <= r["floor_bf16_ms"]
         assert r["ratio_wall"] == pytest.approx(r["step_ms"] / r["floor_ms"])
         assert r["tflops_wall"] == pytest.approx(r["flops"]["total"] / r["step_ms"] / 1e9)
