@@ -134,18 +134,20 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
     slot_mapping = bt[tok_seq, positions // block_size] * block_size + positions % block_size   # [T]
     slots = np.asarray(state_slots if state_slots is not None else range(B), dtype=np.int64)   # [B]
     parts = _partition(query_lens, context_lens)
-    host = [positions, slot_mapping]
+    per_group = []                              # each group's 7 AttnGroup arrays + state slots + state fresh
     for idx, _ in parts:
         idx = np.asarray(idx, dtype=np.int64)
-        host += [*_group(ql[idx], cl[idx], starts[idx], bt[idx]), slots[idx], cl[idx] == ql[idx]]
-    dev = stage(host, torch.device(device))
+        per_group.append([*_group(ql[idx], cl[idx], starts[idx], bt[idx]), slots[idx], cl[idx] == ql[idx]])
+    dev = iter(stage([positions, slot_mapping, *itertools.chain.from_iterable(per_group)], torch.device(device)))
+    positions_d, slot_mapping_d = next(dev), next(dev)
     groups = []
-    for g, (idx, mode) in enumerate(parts):
-        h, d = host[2 + 9 * g: 11 + 9 * g], dev[2 + 9 * g: 11 + 9 * g]
+    for h, (_, mode) in zip(per_group, parts):
+        d = [next(dev) for _ in h]
         groups.append(AttnGroup(*d[:7], block_size=block_size, max_context_len=int(h[5].max()),
                                 mla_mode=mode if mla_mode == "auto" else mla_mode, state_slots=d[7],
                                 state_fresh=d[8], row_span=_span(h[0])))
-    return ForwardBatch(positions=dev[0], slot_mapping=dev[1], groups=tuple(groups), max_context_len=int(cl.max()))
+    return ForwardBatch(positions=positions_d, slot_mapping=slot_mapping_d, groups=tuple(groups),
+                        max_context_len=int(cl.max()))
 
 
 def _span(token_index: np.ndarray) -> tuple[int, int] | None:
