@@ -1,8 +1,9 @@
 """Host -> device copies of a step's small inputs that never wait for the GPU.
 
-A pageable host -> device copy first waits for the stream (the driver stages it synchronously), so under
-async scheduling — the host preparing step N+1 while the GPU runs step N — every `torch.tensor(list)
-.to(cuda)` would stall the host until step N ends. Both helpers here go through pinned memory with an
+A pageable host -> device copy goes through the driver's own staging and can hold the host until the
+stream reaches it, so under async scheduling — the host preparing step N+1 while the GPU runs step N — a
+`torch.tensor(list).to(cuda)` can stall the host until step N ends (and so can a dtype-converting copy
+from pinned memory: torch converts into a pageable temporary first). Both helpers here go through pinned memory with an
 asynchronous copy; `stage` also packs many arrays into one copy.
 """
 from __future__ import annotations

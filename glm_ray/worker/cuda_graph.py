@@ -199,9 +199,9 @@ class DecodeGraphs:
         for i, t in enumerate(block_tables):                                # per sequence, not per token
             bt[i, :len(t)] = t
         # three copies, each from pinned memory in the destination's dtype (a converting copy would go
-        # through a pageable temporary). All four int64 rows at once: columns past B carry an older
-        # step's values, which rows B..Bp get overwritten by the padding below and rows past Bp are
-        # never read by the bucket-Bp graph
+        # through a pageable temporary). The four int64 rows go whole: their columns past B carry an
+        # older step's values, of which B..Bp are overwritten by the padding below and the rest are never
+        # read by the bucket-Bp graph
         self._rows.copy_(h, non_blocking=True)
         self.context_lens[:B].copy_(hc[:B], non_blocking=True)
         self.block_table[:B, :w].copy_(hb, non_blocking=True)

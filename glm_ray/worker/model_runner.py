@@ -36,8 +36,9 @@ from glm_ray.engine.outputs import LogprobDict
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.structured import GrammarRuntime, RequestGrammar, tokenizer_info
 from glm_ray.engine.tokenizer import load_tokenizer
-from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables, stage
+from glm_ray.forward_batch import build_forward_batch, contiguous_block_tables
 from glm_ray.layers.indexer import Indexer
+from glm_ray.staging import stage
 from glm_ray.worker import warmup
 from glm_ray.worker.cache import allocate_caches, kv_bytes_per_token
 from glm_ray.worker.cuda_graph import DecodeGraphs
