@@ -94,6 +94,30 @@ def test_glm53_flash_layers_call_the_ops(tmp_path, spy_backend):
         assert spy_backend[name] > 0, (name, spy_backend)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake streams: torch.cuda.stream() is a no-op only without CUDA")
+def test_forked_waits_for_the_main_stream_and_join_for_the_side(monkeypatch):
+    """kernels/streams.forked / join, the side-stream fork of MoE and MLA decode layers: the side stream
+    waits for the main stream's work before the forked block runs (on the side lane), the main stream
+    waits for the side stream at the join (fake streams record the order)."""
+    from glm_ray.kernels import streams
+    log = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name, self.device = name, torch.device("cpu")
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits for {other.name}")
+
+    main, side = FakeStream("main"), FakeStream("side")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    with streams.forked(side):
+        log.append(f"block on lane {streams.lane()}")
+    assert streams.lane() == 0
+    streams.join(side)
+    assert log == ["side waits for main", "block on lane 1", "main waits for side"]
+
+
 def test_stream_lanes_and_no_side_stream_off_gpu():
     """kernels/streams.py: the lane is 1 only inside `on_side` (nested and restored after errors); a CPU
     tensor never gets a side stream, whatever the limit."""
