@@ -8,6 +8,7 @@ plain argmax and random rows share one kernel.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,29 +29,36 @@ class SamplingRow:
 
 
 def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (prompt and output tokens), presence and frequency penalties on the rows that ask:
+    every history is flattened to (row, token) pairs on the host and staged with the parameters in one
+    copy; the counts are one accumulating scatter (integer-valued fp32: exact in any order)."""
     idx = [i for i, r in enumerate(rows) if r.params.needs_penalties]
     if not idx:
         return logits
     N, V = len(idx), logits.shape[1]
-    dev = logits.device
-    out_counts = torch.zeros(N, V, device=dev)
-    seen = torch.zeros(N, V, dtype=torch.bool, device=dev)
-    for j, i in enumerate(idx):   # per request (not per token): histories -> count rows
-        r = rows[i]
-        if r.output_ids:
-            out_counts[j].index_add_(0, to_device(r.output_ids, dev), out_counts.new_ones(len(r.output_ids)))
-        if r.prompt_ids:
-            seen[j, to_device(r.prompt_ids, dev)] = True
-    seen |= out_counts > 0
+    outs, prompts = [rows[i].output_ids for i in idx], [rows[i].prompt_ids for i in idx]
+    n_out, n_prompt = [len(o) for o in outs], [len(q) for q in prompts]
     p = [rows[i].params for i in idx]
-    rep = to_device([x.repetition_penalty for x in p], dev)[:, None]
-    pres = to_device([x.presence_penalty for x in p], dev)[:, None]
-    freq = to_device([x.frequency_penalty for x in p], dev)[:, None]
-    sub = logits[idx]
+    sel, out_row, out_tok, prompt_row, prompt_tok, rep, pres, freq = stage([
+        np.asarray(idx, dtype=np.int64),                                                   # [N]
+        np.repeat(np.arange(N), n_out),                                                    # [P_out]
+        np.fromiter(itertools.chain.from_iterable(outs), dtype=np.int64, count=sum(n_out)),
+        np.repeat(np.arange(N), n_prompt),                                                 # [P_prompt]
+        np.fromiter(itertools.chain.from_iterable(prompts), dtype=np.int64, count=sum(n_prompt)),
+        np.array([x.repetition_penalty for x in p], dtype=np.float32),                     # [N] each
+        np.array([x.presence_penalty for x in p], dtype=np.float32),
+        np.array([x.frequency_penalty for x in p], dtype=np.float32)], logits.device)
+    out_counts = torch.zeros(N, V, device=logits.device)                                  # [N, V]
+    out_counts.index_put_((out_row, out_tok), torch.ones_like(out_tok, dtype=out_counts.dtype), accumulate=True)
+    seen = torch.zeros(N, V, dtype=torch.bool, device=logits.device)                      # [N, V]
+    seen[prompt_row, prompt_tok] = True
+    seen |= out_counts > 0
+    rep, pres, freq = rep[:, None], pres[:, None], freq[:, None]
+    sub = logits[sel]                                                                      # [N, V]
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     sub = sub - freq * out_counts - pres * (out_counts > 0).float()
     logits = logits.clone()
-    logits[idx] = sub
+    logits[sel] = sub
     return logits
 
 
@@ -106,7 +114,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
         noise = torch.empty_like(probs).exponential_()
         for i, r in enumerate(rows):           # seeded rows redraw their noise from their own generator
             if r.generator is not None and not r.params.greedy:
-                noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=r.generator)
+                noise[i].exponential_(generator=r.generator)                   # in place: one launch
         sampled = (probs / noise).argmax(-1)
         tokens = torch.where(greedy, tokens, sampled)
     return _force(tokens, rows), raw_logprobs

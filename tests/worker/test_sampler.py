@@ -29,6 +29,27 @@ def test_penalties_match_formula():
     assert torch.allclose(got, ref, atol=1e-6)
 
 
+def test_penalties_batched_rows_match_the_formula_per_row():
+    """Rows with and without penalties side by side, histories of different lengths (empty ones too):
+    each penalized row equals the per-row formula, the others are untouched."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 30, generator=g)
+    cases = [(SamplingParams(repetition_penalty=1.3), [4, 9], [9, 9, 11]),
+             (SamplingParams(), [1, 2], [3]),                                          # no penalties
+             (SamplingParams(frequency_penalty=0.7, presence_penalty=0.2), [], [5, 5, 5, 6]),
+             (SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.3), [7, 7, 8], []),
+             (SamplingParams(presence_penalty=1.5), [29], [0, 29])]
+    rows = [SamplingRow(p, None, list(pr), list(out), (1,)) for p, pr, out in cases]
+    got = _penalize(logits, rows)
+    for i, (p, prompt, out) in enumerate(cases):
+        ref = logits[i].clone()
+        for t in set(prompt + out):
+            ref[t] = ref[t] / p.repetition_penalty if ref[t] > 0 else ref[t] * p.repetition_penalty
+        for t in set(out):
+            ref[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+        assert torch.allclose(got[i], ref, atol=1e-6), i
+
+
 def test_top_k_top_p_min_p_masks():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]]))
     def keep(**kw):
