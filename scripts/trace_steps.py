@@ -46,10 +46,10 @@ def main() -> None:
               f"gpu busy {busy / 1e3:.2f} ms, gaps >= {a.min_us:.0f} us: {len(gaps)} = "
               f"{sum(g[0] for g in gaps) / 1e3:.2f} ms")
         for g, g0, g1, name in sorted(gaps, reverse=True)[:a.top]:
-            lo = bisect.bisect_left(hstarts, g0)
-            during = {}
-            for h in host[lo:bisect.bisect_right(hstarts, g1)]:
-                during[h[2]] = during.get(h[2], 0.0) + min(h[1], g1) - h[0]
+            during = {}                                     # host time inside the gap per op name
+            for h in host[:bisect.bisect_right(hstarts, g1)]:
+                if h[1] > g0:                               # overlaps it (also ops begun before it)
+                    during[h[2]] = during.get(h[2], 0.0) + min(h[1], g1) - max(h[0], g0)
             top = sorted(during.items(), key=lambda kv: -kv[1])[:4]
             print(f"  {g / 1e3:7.2f} ms before {name[:50]}: "
                   + ", ".join(f"{n[:40]} {t / 1e3:.2f}" for n, t in top))
