@@ -52,6 +52,7 @@ import xgrammar as xgr
 
 from glm_ray import envs
 from glm_ray.engine.sampling_params import SamplingParams, StructuredOutputsParams, invalid
+from glm_ray.staging import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -305,7 +306,7 @@ class GrammarRuntime:
                 live_rows.append(j)
         if live:
             self._batch.batch_fill_next_token_bitmask(live, buf, live_rows)
-        rows = None if len(idx) == len(grammars) else _to_device(idx, device)
+        rows = None if len(idx) == len(grammars) else to_device(idx, device, torch.long)
         return TokenBitmask(buf if device.type == "cpu" else buf.to(device, non_blocking=True), rows)
 
     def shutdown(self) -> None:
@@ -320,11 +321,6 @@ def _bit(j: int) -> int:
 @functools.lru_cache(maxsize=8)
 def _bit_values(device: torch.device) -> torch.Tensor:
     return torch.tensor([_bit(j) for j in range(32)], dtype=torch.int32, device=device)
-
-
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=torch.long)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:

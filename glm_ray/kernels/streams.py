@@ -1,9 +1,9 @@
 """The second CUDA stream a decode-sized layer forks independent work onto, and which "lane" (main or
 side) the running code is on. One side stream per device, created on first use outside graph capture
-(the warm-up steps run eagerly first). Layers ask `side_stream_for(x, limit)`, run the forked work
-under `forked(stream)` and `join(stream)` before reading it; kernels that keep per-launch device state (fp8_small_m's arrival counters) key
-it by `lane()`, so launches that may run concurrently never share it. Owned here, below both the layers
-and the kernels, so neither needs a device check of its own.
+(the warm-up steps run eagerly first). Layers ask `side_stream_for(x, limit)`, run the forked work under
+`forked(stream)` and `join(stream)` before reading it; kernels that keep per-launch device state
+(fp8_small_m's arrival counters) key it by `lane()`, so launches that may run concurrently never share it.
+Owned here, below both the layers and the kernels, so neither needs a device check of its own.
 
 Why: at decode sizes every kernel of a layer is small (a few us, part of the SMs), so two independent
 chains — an MoE layer's shared experts and its router + routed experts — finish sooner side by side than
