@@ -16,7 +16,9 @@ Structured outputs (rank 0): a request with `structured_outputs` gets a `Request
 (its compile starts on the grammar thread); each step, the sampling rows' bitmask is filled on the host
 after the forward is launched (so it overlaps the device's work) and applied in the sampler. The matcher
 follows the request's output history (`RequestGrammar.sync`), so it needs that history complete: under
-async scheduling a step with constrained rows first collects the previous launch, as penalties do.
+async scheduling a step with constrained rows first collects the previous launch. Penalties read
+device-resident histories (worker/penalties.py) and min_tokens the count of tokens launched, so neither
+waits for the previous step.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from glm_ray.worker import warmup
 from glm_ray.worker.cache import allocate_caches, kv_bytes_per_token
 from glm_ray.worker.cuda_graph import DecodeGraphs
 from glm_ray.worker.faults import FaultInjector, classify
+from glm_ray.worker.penalties import PenaltyState
 from glm_ray.worker.piecewise_graph import PiecewiseGraphs, supports_pieces
 from glm_ray.worker.sampler import (
     SamplingRow,
@@ -67,6 +70,7 @@ class ReqState:
     block_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     grammar: RequestGrammar | None = None         # rank 0: structured outputs
+    num_sampled: int = 0                          # rank 0: tokens sampled so far, collected or not
     _block_arr: np.ndarray | None = None          # int32 copy of block_ids for the graph staging
 
     def block_array(self) -> np.ndarray:
@@ -128,6 +132,7 @@ class ModelRunner:
         self._last_rows: dict[str, int] = {}
         self._pending: PendingStep | None = None
         self.grammars: GrammarRuntime | None = None   # structured outputs, made at the first such request
+        self.penalties: PenaltyState | None = None    # penalized requests' histories, made at the first one
 
     def _capture_graphs(self, num_blocks: int) -> DecodeGraphs | None:
         """Decode CUDA graphs (worker/cuda_graph.py); on any capture failure, eager with an error log."""
@@ -169,6 +174,8 @@ class ModelRunner:
     def _update_states(self, step: SchedulerOutput) -> None:
         for rid in step.finished_req_ids:
             self.requests.pop(rid, None)
+            if self.penalties is not None:
+                self.penalties.release(rid)
         for nr in step.new_requests:
             gen = None
             if nr.params.seed is not None:
@@ -195,7 +202,7 @@ class ModelRunner:
 
         A decode token that is still being sampled by the previous launch (async scheduling) arrives as
         a -1 placeholder and is taken from that launch's token tensor on the device. Rows whose sampling
-        needs the host's view of their outputs (penalties, min_tokens) first collect the previous launch."""
+        needs the host's view of their outputs (structured outputs) first collect the previous launch."""
         t0 = time.perf_counter()
         self._update_states(step)
         if step.is_empty:
@@ -247,10 +254,8 @@ class ModelRunner:
         self._last_rows = {}
         if sampling:
             states = [self.requests[r] for r in sampling]
-            if self._pending is not None and any(st.params.needs_penalties or st.params.min_tokens
-                                                 or st.grammar is not None or st.params.forced_token_ids
-                                                 for st in states):
-                self.collect(self._pending)              # their sampling reads the host's output lists
+            if self._pending is not None and any(st.grammar is not None for st in states):
+                self.collect(self._pending)              # the grammars follow the host's output lists
             self._launch_sample(pending, sampling, states, logits)
         if start is not None:
             pending.marks = (start, self.timeline.mark())
@@ -348,13 +353,13 @@ class ModelRunner:
         """Sample every row at once (the tokens stay on the device until `collect`); if that raises,
         row by row, failing only the rows that raise."""
         try:
-            tokens, raw = self._sample_rows(states, logits)
+            tokens, raw = self._sample_rows(req_ids, states, logits)
             ok = list(range(len(req_ids)))
         except Exception:  # noqa: BLE001 - the error path only: find the rows that fail
             ok, toks, raws = [], [], []
             for i, (rid, st) in enumerate(zip(req_ids, states)):    # NOTE: per-row loop on the error path only
                 try:
-                    t, r = self._sample_rows([st], logits[i:i + 1])
+                    t, r = self._sample_rows([rid], [st], logits[i:i + 1])
                 except Exception as e:  # noqa: BLE001
                     pending.out.failed.update(self._fail_step([rid], e).failed)
                     continue
@@ -364,6 +369,8 @@ class ModelRunner:
             if not ok:
                 return
             tokens, raw = torch.cat(toks), torch.cat(raws)
+        for i in ok:
+            states[i].num_sampled += 1
         pending.tokens, pending.raw = tokens, raw                           # [N], [N, V] on the device
         pending.req_ids = [req_ids[i] for i in ok]
         pending.n_logprobs = [states[i].params.logprobs for i in ok]
@@ -374,15 +381,24 @@ class ModelRunner:
         pending.host, pending.ready = copy_to_host([tokens, *lp])
         self._last_tokens, self._last_rows = tokens, {r: i for i, r in enumerate(pending.req_ids)}
 
-    def _sample_rows(self, states: list[ReqState], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample_rows(self, req_ids: list[str], states: list[ReqState], logits: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.faults is not None:
             self.faults.before_sample([st.prompt_ids for st in states])
-        rows = [SamplingRow(st.params, st.generator, st.prompt_ids, st.output_ids, self.eos) for st in states]
+        rows = [SamplingRow(st.params, st.generator, st.prompt_ids, st.output_ids, self.eos, st.num_sampled)
+                for st in states]
         bitmask = None
         if any(st.grammar is not None for st in states):
             bitmask = self.grammars.bitmask([st.grammar for st in states], [st.output_ids for st in states],
                                             logits.device)
-        return sample(logits, rows, bitmask)
+        pen = [i for i, st in enumerate(states) if st.params.needs_penalties]
+        penalties = None
+        if pen:
+            if self.penalties is None:
+                self.penalties = PenaltyState(logits.shape[1], logits.device)
+            penalties = self.penalties.batch(pen, [req_ids[i] for i in pen], [states[i].params for i in pen],
+                                             [(states[i].prompt_ids, states[i].output_ids) for i in pen])
+        return sample(logits, rows, bitmask, penalties)
 
     def grammar_runtime(self) -> GrammarRuntime:
         """Rank 0's structured-output runtime (made once; the tokenizer is read on its compile thread)."""

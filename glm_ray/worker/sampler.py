@@ -1,6 +1,10 @@
 """Batched sampling from last-position logits: penalties, min_tokens, the structured-output token
 bitmask, temperature, top-k, top-p, min-p, per-request seeds, and logprobs of the raw model distribution.
 
+Penalties come two ways: from a `PenaltyBatch` (worker/penalties.py: device-resident histories, what the
+model runner passes) or, without one, from the rows' host lists (`_penalize`: the reference the tables
+are tested against, and what a caller without a runner gets).
+
 All rows are processed together with masked tensor ops; the only per-row Python work is drawing
 noise for seeded requests (each owns a torch.Generator) and packaging logprob dicts.
 Sampling is `argmax(probs / E)` with E ~ Exp(1) (equivalent to multinomial), so greedy rows are
@@ -17,6 +21,7 @@ import torch
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.structured import TokenBitmask, apply_token_bitmask
 from glm_ray.staging import stage, to_device
+from glm_ray.worker.penalties import PenaltyBatch
 
 
 @dataclass
@@ -26,6 +31,12 @@ class SamplingRow:
     prompt_ids: list[int]
     output_ids: list[int]
     eos_ids: tuple[int, ...]
+    num_output: int | None = None      # tokens sampled before this step (None: len(output_ids)); under async
+    #                                    scheduling the host's list may still lack the last step's token
+
+    @property
+    def n_out(self) -> int:
+        return len(self.output_ids) if self.num_output is None else self.num_output
 
 
 def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -64,7 +75,7 @@ def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     blocked = [(i, list(r.eos_ids) + list(r.params.stop_token_ids)) for i, r in enumerate(rows)
-               if len(r.output_ids) < r.params.min_tokens]
+               if r.n_out < r.params.min_tokens]
     rows_i = [i for i, ids in blocked for _ in ids]
     if not rows_i:
         return logits
@@ -99,12 +110,15 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow],
-           bitmask: TokenBitmask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], bitmask: TokenBitmask | None = None,
+           penalties: PenaltyBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, V] fp32 -> (token ids [N], raw logprobs [N, V]). `bitmask` (engine/structured.py): the
-    tokens the constrained rows may sample (structured outputs)."""
+    tokens the constrained rows may sample (structured outputs). `penalties`: the penalized rows'
+    device-resident histories (every penalized row in it; its counts take this step's tokens), else the
+    rows' host lists are read."""
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    logits = _mask_min_tokens(_penalize(logits, rows), rows)
+    logits = penalties.apply(logits) if penalties is not None else _penalize(logits, rows)
+    logits = _mask_min_tokens(logits, rows)
     if bitmask is not None:
         logits = apply_token_bitmask(logits, bitmask)
     tokens = logits.argmax(-1)
@@ -117,14 +131,17 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
                 noise[i].exponential_(generator=r.generator)                   # in place: one launch
         sampled = (probs / noise).argmax(-1)
         tokens = torch.where(greedy, tokens, sampled)
-    return _force(tokens, rows), raw_logprobs
+    tokens = _force(tokens, rows)
+    if penalties is not None:
+        penalties.record(tokens)
+    return tokens, raw_logprobs
 
 
 def _force(tokens: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Tests only: rows with `forced_token_ids` left to emit take their next one instead of the sample
     (SamplingParams.forced_token_ids; the server sets it only under GLM_RAY_TEST_FORCED_OUTPUT)."""
-    forced = [(i, r.params.forced_token_ids[len(r.output_ids)]) for i, r in enumerate(rows)
-              if len(r.output_ids) < len(r.params.forced_token_ids)]
+    forced = [(i, r.params.forced_token_ids[r.n_out]) for i, r in enumerate(rows)
+              if r.n_out < len(r.params.forced_token_ids)]
     if not forced:
         return tokens
     tokens = tokens.clone()
