@@ -115,9 +115,9 @@ class PenaltyState:
             np.repeat(new_rows, n_out),                                                       # [P_out]
             np.fromiter(itertools.chain.from_iterable(outs), dtype=np.int64, count=sum(n_out))], self.device)
         if new:                                   # (re)made rows: zeroed, then their histories
-            self.counts[fresh] = 0.0
-            self.prompt_seen[fresh] = False
-            self.prompt_seen[p_row, p_tok] = True
+            self.counts.index_fill_(0, fresh, 0.0)
+            self.prompt_seen.index_fill_(0, fresh, False)
+            self.prompt_seen.index_put_((p_row, p_tok), torch.ones_like(p_tok, dtype=torch.bool))
             self.counts.index_put_((o_row, o_tok), torch.ones_like(o_tok, dtype=torch.float32), accumulate=True)
         return PenaltyBatch(self, sel_t, rows_t, rep, pres, freq)
 
