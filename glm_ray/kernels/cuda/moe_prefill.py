@@ -53,6 +53,7 @@ from glm_ray.kernels.cuda.triton_kernels import (
     INTERPRET,
     MAX_PAIRS_PER_CHUNK,
     _fp8_group_quant,
+    _store_pair_rows,
     _swizzle,
 )
 
@@ -202,11 +203,7 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, tw_ptr, sorted_ptr, eid_pt
         else:
             acc += tl.dot(a, b) * (a_s * b_s)[:, None]
     pair = tl.load(sorted_ptr + rows)
-    valid = pair < P
-    pair64 = pair.to(tl.int64)
-    acc = acc * tl.load(tw_ptr + pair64, mask=valid, other=0.0)[:, None]
-    tl.store(o_ptr + pair64[:, None] * stride_om + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
-             mask=valid[:, None] & n_ok[None, :])
+    _store_pair_rows(o_ptr, acc, pair.to(tl.int64), pair < P, offs_n, n_ok, stride_om, tw_ptr, True)
 
 
 @triton.jit(do_not_specialize=['T'])   # sizes that change per step: no recompiles (cuda/__init__)

@@ -170,6 +170,16 @@ def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
 # kernels
 # --------------------------------------------------------------------------------------------
 
+@triton.jit
+def _store_pair_rows(o_ptr, acc, pair64, valid, offs_n, n_ok, stride_om, tw_ptr, MUL_W: tl.constexpr):
+    """The grouped down GEMMs' epilogue: out[pair, n] = acc[r, n] (x the pair's routing weight tw[pair] if
+    MUL_W) for the tile's valid pair rows (pad pairs are skipped) and columns n < N."""
+    if MUL_W:
+        acc = acc * tl.load(tw_ptr + pair64, mask=valid, other=0.0)[:, None]
+    tl.store(o_ptr + pair64[:, None] * stride_om + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
+
+
 @triton.jit(do_not_specialize=['M', 'M_OUT'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _act_quant_fp8_kernel(x_ptr, q_ptr, s_ptr, M, K, M_OUT, stride_xm, stride_qm, stride_sm, stride_sg, eps, fmax,
                           UE8M0: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr):
@@ -306,10 +316,7 @@ def _moe_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, tw_ptr, sorted_ptr, ei
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         else:
             acc = tl.dot(a, b, acc)
-    if MUL_W:
-        acc = acc * tl.load(tw_ptr + pair64, mask=valid, other=0.0)[:, None]
-    tl.store(o_ptr + pair64[:, None] * stride_om + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
-             mask=valid[:, None] & n_ok[None, :])
+    _store_pair_rows(o_ptr, acc, pair64, valid, offs_n, n_ok, stride_om, tw_ptr, MUL_W)
 
 
 @triton.jit(do_not_specialize=['M'])   # sizes that change per step: no recompiles (cuda/__init__)
