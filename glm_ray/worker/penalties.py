@@ -31,6 +31,22 @@ from glm_ray.staging import stage
 MIN_ROWS = 8
 
 
+def penalize_rows(logits: torch.Tensor, sel: torch.Tensor, prompt_seen: torch.Tensor, counts: torch.Tensor,
+                  rep: torch.Tensor, pres: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """The penalties' math, shared with the host-list reference (`sampler._penalize`): logits [B, V] -> a
+    copy whose rows `sel` [N] are penalized given their prompt-token mask and output counts [N, V] and their
+    repetition / presence / frequency penalties [N] (repetition over prompt + outputs, HF / vLLM; presence
+    and frequency over the outputs, OpenAI)."""
+    seen = prompt_seen | (counts > 0)                                           # [N, V]
+    rep, pres, freq = rep[:, None], pres[:, None], freq[:, None]
+    sub = logits[sel]                                                           # [N, V]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - freq * counts - pres * (counts > 0).float()
+    logits = logits.clone()
+    logits[sel] = sub
+    return logits
+
+
 @dataclass
 class PenaltyBatch:
     """One step's penalized rows: where they sit in the step's logits and in the tables."""
@@ -42,16 +58,10 @@ class PenaltyBatch:
     freq: torch.Tensor           # [N] fp32 frequency penalty
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] -> a copy with the penalties applied to the selected rows (the reference's math)."""
+        """logits [B, V] -> a copy with the penalties applied to the selected rows."""
         counts = self.state.counts[self.rows]                                   # [N, V]
-        seen = self.state.prompt_seen[self.rows] | (counts > 0)                 # [N, V]
-        rep, pres, freq = self.rep[:, None], self.pres[:, None], self.freq[:, None]
-        sub = logits[self.sel]                                                  # [N, V]
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        sub = sub - freq * counts - pres * (counts > 0).float()
-        logits = logits.clone()
-        logits[self.sel] = sub
-        return logits
+        return penalize_rows(logits, self.sel, self.state.prompt_seen[self.rows], counts,
+                             self.rep, self.pres, self.freq)
 
     def record(self, tokens: torch.Tensor) -> None:
         """Count the step's sampled tokens (`tokens` [B], on the device) in their rows' output counts."""
@@ -122,4 +132,4 @@ class PenaltyState:
         return PenaltyBatch(self, sel_t, rows_t, rep, pres, freq)
 
 
-__all__ = ["PenaltyBatch", "PenaltyState"]
+__all__ = ["PenaltyBatch", "PenaltyState", "penalize_rows"]

@@ -21,7 +21,7 @@ import torch
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.structured import TokenBitmask, apply_token_bitmask
 from glm_ray.staging import stage, to_device
-from glm_ray.worker.penalties import PenaltyBatch
+from glm_ray.worker.penalties import PenaltyBatch, penalize_rows
 
 
 @dataclass
@@ -61,16 +61,9 @@ def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         np.array([x.frequency_penalty for x in p], dtype=np.float32)], logits.device)
     out_counts = torch.zeros(N, V, device=logits.device)                                  # [N, V]
     out_counts.index_put_((out_row, out_tok), torch.ones_like(out_tok, dtype=out_counts.dtype), accumulate=True)
-    seen = torch.zeros(N, V, dtype=torch.bool, device=logits.device)                      # [N, V]
-    seen[prompt_row, prompt_tok] = True
-    seen |= out_counts > 0
-    rep, pres, freq = rep[:, None], pres[:, None], freq[:, None]
-    sub = logits[sel]                                                                      # [N, V]
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub = sub - freq * out_counts - pres * (out_counts > 0).float()
-    logits = logits.clone()
-    logits[sel] = sub
-    return logits
+    prompt_seen = torch.zeros(N, V, dtype=torch.bool, device=logits.device)               # [N, V]
+    prompt_seen[prompt_row, prompt_tok] = True
+    return penalize_rows(logits, sel, prompt_seen, out_counts, rep, pres, freq)
 
 
 def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
