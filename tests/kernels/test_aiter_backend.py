@@ -61,8 +61,9 @@ def test_aiter_is_imported_only_when_selected(monkeypatch):
 def test_backend_resolves_and_inherits(aiter_backend):
     ops = aiter_backend
     assert ops.name == "aiter"
-    from glm_ray.kernels.torch_ref import fused_moe
-    assert ops.fused_moe is fused_moe                        # not overridden -> torch reference
+    from glm_ray.kernels.torch_ref.kda import kda_chunked_cached
+    assert ops.kda_chunked is kda_chunked_cached             # no kernel anywhere -> torch reference
+    assert ops.fused_moe.__self__.__class__.__name__ == "CudaKernels"   # no aiter op -> Triton (test_triton_on_rocm)
     assert ops.fused_moe_block_fp8.__self__.__class__.__name__ == "AiterKernels"
 
 

@@ -100,7 +100,7 @@ def test_kernel_failure_marks_op_broken_and_uses_reference(monkeypatch, caplog):
     ck = CudaKernels()
     if ck.tk is None:
         pytest.skip(ck.triton_error)
-    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton: None)
+    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton, op: None)
 
     def boom(*a, **k):
         raise RuntimeError("simulated Triton compile error")
@@ -121,7 +121,7 @@ def test_decode_size_thresholds_route_to_the_one_launch_kernels(monkeypatch):
     ck = CudaKernels()
     if ck.tk is None or not ck.tk.INTERPRET:
         pytest.skip("needs triton interpreted")
-    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton: None)
+    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton, op: None)
     calls = []
     real = fp8_small_m.block_fp8_linear_small_m
     monkeypatch.setattr(fp8_small_m, "block_fp8_linear_small_m", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -337,7 +337,7 @@ def test_scaled_mm_path_plumbing_with_emulated_gemm(interp, monkeypatch):
     def scaled_mm(xq, xs, wp, sp):                                   # [Mp, Kp] x [Np, Kp] -> [Mp, Np] bf16
         a = xq.float() * xs.repeat_interleave(128, 1)
         return (a @ dequant_block_fp8(wp, sp).T).to(BF16)
-    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton: None)
+    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton, op: None)
     monkeypatch.setattr(CudaKernels, "_scaled_mm", lambda self, *a: scaled_mm(*a))
     monkeypatch.setattr(CudaKernels, "_scaled_mm_ok", lambda self, wp, sp: True)   # its GPU self-check
     ck = CudaKernels()

@@ -139,7 +139,7 @@ def test_dispatch_takes_the_prefill_kernels_and_falls_back_to_the_grouped_ones(m
     from glm_ray.kernels.cuda import moe_prefill as module
     monkeypatch.setenv("GLM_RAY_CUDA_MOE_PREFILL_ROWS", "4")
     ck = CudaKernels()
-    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton: None)
+    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton, op: None)
     calls = []
     real = module.fused_moe_prefill
     monkeypatch.setattr(module, "fused_moe_prefill", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))

@@ -188,7 +188,7 @@ def test_cuda_kernels_routes_supported_calls_to_the_kernel(monkeypatch):
     ck = CudaKernels()
     if ck.tk is None:
         pytest.skip(ck.triton_error)
-    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton: None)
+    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton, op: None)
     calls = []
     real = triton_norm.rms_norm
     monkeypatch.setattr(triton_norm, "rms_norm", lambda *a: calls.append(1) or real(*a))

@@ -2,8 +2,9 @@
 in ROCm/aiter's own docs and tests (dense block-FP8 GEMM with bpreshuffle, the e8m0 scale shuffle,
 fused MoE). `aiter` is imported by `make_ops()` only, i.e. only when this backend is selected.
 
-Everything not overridden here (attention, the unquantized MoE, ...) is inherited from the torch
-reference by `kernels.init_backend`.
+What aiter has no op for (MLA prefill, the DSA indexer, the unquantized MoE, norms, rope, ...) runs the cuda
+backend's plain-Triton kernels (`cuda.ops.ROCM_PORTABLE`), and the rest the torch reference
+(`kernels.init_backend`).
 """
 from glm_ray.kernels.aiter.ops import AiterKernels, make_ops
 

@@ -25,7 +25,7 @@ Fused MoE (`fused_moe_block_fp8` / `fused_moe_mxfp4`, §4.1-4.7):
     w2.shape[1] — and the output's pad columns are dropped (ASSUMPTION from aiter's model_dim
     derivation; to be confirmed on MI355X).
 Dense MXFP4 (shared experts / dense layers of Quark checkpoints): not wired to aiter's a4w4 GEMM yet;
-  inherited from the torch reference (correct, slow) — a GPU TODO.
+  the Triton W4A16 GEMM with the MXFP4 activation qdq (below) — aiter's a4w4 GEMM is a GPU TODO.
 Absorbed MLA decode (`mla_decode`; aiter/mla.py, ROCm/aiter e4048607):
   `mla_decode_fwd(q [B, H', 576] bf16 contiguous, kv_buffer, o [B, H', 512] bf16 (written in place),
    qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q=1, sm_scale=scale)`
@@ -57,12 +57,18 @@ MoE routing (`moe_routing`; aiter/ops/topk.py):
   The reference instead for n_group not in (1, 8) (2 and 4 dispatch, but the group-score reduction of
   that kernel has no cross-lane steps when more than 8 lanes serve a group), top_k > 64 (one lane per
   pick), E % n_group != 0, and renormalize=False where `moe_fused_gate` (asserts need_renorm) may run.
-DSA indexer (`indexer_topk`): inherited from the torch reference. aiter's indexer pieces —
+DSA indexer (`indexer_topk`): the Triton kernels (below). aiter's indexer pieces —
   `deepgemm_fp8_paged_mqa_logits` (FP8 queries against an FP8 key cache with per-token scales in
   DeepGEMM's paged layout) and `top_k_per_row_decode` — do not fit this op's contract (fp32 queries, a
   bf16 key cache [S, di]): using them means an FP8 index-key cache first (a GPU TODO).
-Other attention / KDA / mHC ops (mla_prefill, indexer_kpool_topk, causal_conv1d, kda_chunked,
-  kda_decode, mhc_coefficients, swiglu): inherited from the torch reference.
+Everything else — what aiter has no op for, and the shapes above that aiter's kernels do not take (the
+  mla_decode and moe_routing fallbacks) — runs the cuda backend's plain-Triton kernels
+  (`cuda.ops.ROCM_PORTABLE`: no TMA, PDL, `.cg` loads or `_scaled_mm`, so they compile for gfx950 as for
+  Hopper): mla_prefill, indexer_topk, the bf16 fused_moe, mxfp4_linear, kda_decode, mhc_coefficients,
+  swiglu, rms_norm, rope_inplace, fp32_linear and the two cache writes. Each falls back to the torch
+  reference itself (unsupported shape, or a kernel that failed to compile: logged, once). Their tile
+  configs are Hopper's, untuned for CDNA — correct first, tuned on an MI355X later. indexer_kpool_topk,
+  causal_conv1d and kda_chunked have no kernel in any backend: the torch reference.
 
   Known numerics differences from the torch reference (documented, measured on GPU later):
   * aiter HIP MXFP4 activation quant uses RoundUp E8M0 scales (aiter#3212); Quark checkpoints
@@ -77,6 +83,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from glm_ray.kernels.cuda.ops import ROCM_PORTABLE, CudaKernels
 from glm_ray.kernels.table import KernelOps
 from glm_ray.kernels.torch_ref import attention as ref_attention
 from glm_ray.kernels.torch_ref import quant_ops as ref
@@ -135,7 +142,8 @@ class AiterKernels:
 
     name = "aiter"
 
-    def __init__(self, aiter_module=None):
+    def __init__(self, aiter_module=None, triton: CudaKernels | None = None):
+        self.triton = triton                                                 # the Triton fallback (None: torch)
         if aiter_module is None:
             import aiter as aiter_module  # noqa: PLC0415 (lazy by design)
         from aiter.fused_moe import fused_moe  # noqa: PLC0415 - aiter (optional, ROCm only)
@@ -157,6 +165,14 @@ class AiterKernels:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(msg, *args)
+
+    def _slow(self, op: str, reason: str, reference):
+        """What runs `op` where aiter's kernel cannot: the Triton kernel (which has its own reference fallback),
+        else the torch reference; logged once per reason."""
+        slow = getattr(self.triton, op) if self.triton is not None else reference
+        self._warn_once(f"{op}:{reason}", "aiter backend: %s uses %s: %s", op,
+                        "the Triton kernel" if self.triton is not None else "the torch reference", reason)
+        return slow
 
     # ---- dense block-FP8 ------------------------------------------------------------------------
     def block_fp8_linear_prepare(self, w: torch.Tensor, scale_inv: torch.Tensor, block=BLOCK):
@@ -295,9 +311,8 @@ class AiterKernels:
                    max_bytes: int = ref_attention.ATTN_BYTES):
         reason = self._mla_reason(q, kv_cache, group, selection, kv_lora_rank)
         if reason is not None:
-            self._warn_once(f"mla_decode:{reason}", "aiter backend: mla_decode uses the torch reference: %s", reason)
-            return ref_attention.mla_decode(q, kv_cache, group, selection, kv_lora_rank=kv_lora_rank, scale=scale,
-                                            max_bytes=max_bytes)
+            slow = self._slow("mla_decode", reason, ref_attention.mla_decode)
+            return slow(q, kv_cache, group, selection, kv_lora_rank=kv_lora_rank, scale=scale, max_bytes=max_bytes)
         B, h, D = group.q_index.shape[0], q.shape[1], kv_cache.shape[-1]
         hp = next(n for n in MLA_HEADS if n >= h)                           # kernel head count
         qg = group.rows_of(q).contiguous()                                 # [B, h, D] (aiter: contiguous q)
@@ -330,9 +345,9 @@ class AiterKernels:
                   or ("renormalize=False (aiter's moe_fused_gate path requires it)"
                       if not renormalize and E // n_group <= FUSED_GATE_MAX_PER_GROUP else None))
         if reason is not None:
-            self._warn_once(f"moe_routing:{reason}", "aiter backend: moe_routing uses the torch reference: %s", reason)
-            return ref_moe_routing(logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
-                                   renormalize=renormalize, scale=scale)
+            slow = self._slow("moe_routing", reason, ref_moe_routing)
+            return slow(logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group, renormalize=renormalize,
+                        scale=scale)
         g = logits.float().contiguous()                                     # [T, E] fp32
         b = g.new_zeros(E) if bias is None else bias.to(torch.float32).contiguous()   # [E] the gating dtype
         weights = torch.empty(T, top_k, dtype=torch.float32, device=g.device)
@@ -346,10 +361,21 @@ class AiterKernels:
         return weights.gather(1, order), ids.gather(1, order)
 
 
-def make_ops(aiter_module=None):
-    """KernelOps for the aiter backend (fields it does not set are inherited from torch)."""
-    k = AiterKernels(aiter_module)
-    return KernelOps(name="aiter", block_fp8_linear=k.block_fp8_linear, fused_moe=None,
-                     block_fp8_linear_prepare=k.block_fp8_linear_prepare, moe_quant_layout=k.moe_quant_layout,
-                     moe_quant_prepare=k.moe_quant_prepare, fused_moe_block_fp8=k.fused_moe_block_fp8,
-                     fused_moe_mxfp4=k.fused_moe_mxfp4, mla_decode=k.mla_decode, moe_routing=k.moe_routing)
+def triton_fallback() -> CudaKernels | None:
+    """The cuda backend's Triton kernels, for the ops aiter has none for (its ROCM_PORTABLE ones: plain
+    Triton, which compiles for gfx950 too); None when triton cannot be imported."""
+    t = CudaKernels(name="aiter")
+    return t if t.tk is not None else None
+
+
+def make_ops(aiter_module=None, triton: CudaKernels | None | str = "auto"):
+    """KernelOps for the aiter backend: aiter's ops, then the portable Triton kernels for the rest
+    (`triton`: "auto" = `triton_fallback()`, None = none), then (by `kernels.init_backend`) the torch reference."""
+    t = triton_fallback() if triton == "auto" else triton
+    k = AiterKernels(aiter_module, triton=t)
+    portable = {op: getattr(t, op) for op in ROCM_PORTABLE} if t is not None else {}
+    own = dict(block_fp8_linear=k.block_fp8_linear, block_fp8_linear_prepare=k.block_fp8_linear_prepare,
+               moe_quant_layout=k.moe_quant_layout, moe_quant_prepare=k.moe_quant_prepare,
+               fused_moe_block_fp8=k.fused_moe_block_fp8, fused_moe_mxfp4=k.fused_moe_mxfp4,
+               mla_decode=k.mla_decode, moe_routing=k.moe_routing)
+    return KernelOps(name="aiter", **{"fused_moe": None, **portable, **own})

@@ -54,6 +54,8 @@
 * indexer_kpool_topk, causal_conv1d, kda_chunked: inherited from torch (tiled top-k, chunked KDA).
 * Any kernel exception (e.g. a Triton compile error on an untested GPU/Triton pair) marks that op
   broken for the process: logged with its traceback, reference from then on (`_guarded`).
+* On ROCm (a HIP build of torch) only the `ROCM_PORTABLE` ops take their kernels, with no capability check;
+  the aiter backend builds its Triton fallback from this class (`CudaKernels(name="aiter")`).
 gate_mode must be "separated" everywhere (the torch contract check raises otherwise).
 
 No host syncs on the hot paths: routing is aligned on the device (moe_align.py: one launch at decode sizes;
@@ -95,14 +97,36 @@ BLOCK = (128, 128)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 SCALED_MM_SELFCHECK_RTOL = 3e-2     # garbage measured on the K trap was 1e3..2e5 relative; valid runs ~2e-3
 
+# The ops whose kernels are plain Triton — no TMA descriptors, PDL (`tl.extra.cuda`), `.cg` loads or
+# `torch._scaled_mm` — with the kernel modules (glm_ray/kernels/cuda/<name>.py) each launches. They also run on
+# ROCm (tests/kernels/test_triton_on_rocm.py scans these modules for the NVIDIA-only constructs); the aiter
+# backend takes them for what aiter has no op for. The rest — block_fp8_linear (`_scaled_mm`, fp8_small_m's PDL
+# and `.cg` loads) and fused_moe_block_fp8 (moe_prefill's TMA descriptors) — are NVIDIA-only.
+ROCM_PORTABLE: dict[str, tuple[str, ...]] = {
+    "fused_moe": ("triton_kernels", "moe_align", "moe_decode"),
+    "fused_moe_mxfp4": ("triton_kernels", "moe_align"),
+    "mxfp4_linear": ("triton_kernels", "moe_align"),
+    "mhc_coefficients": ("mhc",),
+    "kda_decode": ("kda",),
+    "mla_decode": ("mla_decode",),
+    "mla_prefill": ("mla_prefill",),
+    "indexer_topk": ("indexer", "topk"),
+    "moe_routing": ("routing",),
+    "fp32_linear": ("fp32_linear",),
+    "swiglu": ("swiglu",),
+    "mla_kv_write": ("cache_write",),
+    "indexer_key_write": ("cache_write",),
+    "rope_inplace": ("rope", "cache_write"),
+    "rms_norm": ("norm",),
+}
+
 
 class CudaKernels:
     """Methods are the KernelOps fields. `fallbacks` counts reference fallbacks per (op, reason) — the GPU
     tests assert it stays empty for every supported shape, so a silent fallback cannot pass as a kernel."""
 
-    name = "cuda"
-
-    def __init__(self, fp8_gemm: str | None = None):
+    def __init__(self, fp8_gemm: str | None = None, name: str = "cuda"):
+        self.name = name                                             # the backend this table serves (logs)
         self._warned: set[str] = set()
         self.fallbacks: Counter = Counter()
         self.fp8_gemm = fp8_gemm or envs.CUDA_FP8_GEMM.get()
@@ -130,7 +154,7 @@ class CudaKernels:
 
     def _fallback(self, op: str, reason: str, slow_name: str = "the torch reference") -> None:
         self.fallbacks[(op, reason)] += 1
-        self._warn_once(f"{op}:{reason}", "cuda backend: %s uses %s: %s", op, slow_name, reason)
+        self._warn_once(f"{op}:{reason}", "%s backend: %s uses %s: %s", self.name, op, slow_name, reason)
 
     def _guarded(self, op: str, fast, slow, slow_name: str = "the torch reference"):
         """Run `fast()`; if it raises (e.g. a Triton compile error on this GPU/Triton), log it, mark the op
@@ -145,7 +169,7 @@ class CudaKernels:
             raise
         except Exception as e:                                      # noqa: BLE001
             self.broken[op] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-            logger.exception("cuda backend: %s kernel failed; using %s from now on", op, slow_name)
+            logger.exception("%s backend: %s kernel failed; using %s from now on", self.name, op, slow_name)
             self._fallback(op, f"kernel failed: {self.broken[op]}", slow_name)
             return slow()
 
@@ -155,13 +179,18 @@ class CudaKernels:
             self._sm[idx] = torch.cuda.get_device_capability(idx)
         return self._sm[idx]
 
-    def _gpu_reason(self, t: torch.Tensor, min_sm: int, need_triton: bool) -> str | None:
-        """Why this tensor cannot take the fast path (None = it can)."""
-        if t.device.type != "cuda" or getattr(torch.version, "hip", None):
-            return f"tensor on {t.device.type} (needs an NVIDIA GPU)"
-        sm = self.capability(t.device)
-        if sm[0] * 10 + sm[1] < min_sm:
-            return f"sm_{sm[0]}{sm[1]} < sm_{min_sm}"
+    def _gpu_reason(self, t: torch.Tensor, min_sm: int, need_triton: bool, op: str) -> str | None:
+        """Why this tensor cannot take op's fast path (None = it can). On ROCm only the ROCM_PORTABLE ops run,
+        with no capability check (torch reports the gfx version there, e.g. (9, 5) on gfx950, not an sm)."""
+        if t.device.type != "cuda":
+            return f"tensor on {t.device.type} (needs a GPU)"
+        if getattr(torch.version, "hip", None):
+            if op not in ROCM_PORTABLE:
+                return f"ROCm: {op}'s kernels are NVIDIA-only (see ROCM_PORTABLE)"
+        else:
+            sm = self.capability(t.device)
+            if sm[0] * 10 + sm[1] < min_sm:
+                return f"sm_{sm[0]}{sm[1]} < sm_{min_sm}"
         if need_triton and self.tk is None:
             return self.triton_error
         return None
@@ -181,7 +210,7 @@ class CudaKernels:
             return f"block {tuple(block)} != (128, 128)"
         if w.dtype != FP8_DTYPE:
             return f"weight dtype {w.dtype} (needs float8_e4m3fn)"
-        return self._gpu_reason(w, 90, need_triton=self.fp8_gemm == "triton")
+        return self._gpu_reason(w, 90, need_triton=self.fp8_gemm == "triton", op="block_fp8_linear")
 
     def block_fp8_linear_prepare(self, w: torch.Tensor, scale_inv: torch.Tensor, block=BLOCK):
         if self._fp8_linear_reason(w, block) is not None or self.fp8_gemm == "triton":
@@ -286,7 +315,7 @@ class CudaKernels:
 
     # ---- fused MoE --------------------------------------------------------------------------------
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, *, swiglu_limit=None, intermediate_pad: int = 0):
-        reason = self._gpu_reason(x, 80, need_triton=True)
+        reason = self._gpu_reason(x, 80, need_triton=True, op="fused_moe")
         if reason is None and (x.dtype not in HALF_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype):
             reason = f"dtypes x {x.dtype} / w13 {w13.dtype} / w2 {w2.dtype} (bf16/fp16 kernel; fp32 is exact ref)"
         if reason is not None:
@@ -315,7 +344,7 @@ class CudaKernels:
                             act_ue8m0: bool = False, swiglu_limit=None, gate_mode: str = "separated",
                             hidden_pad: int = 0, intermediate_pad: int = 0, **meta):
         ref._check_contract(gate_mode, x, w13, w2, hidden_pad)
-        reason = self._gpu_reason(x, 90, need_triton=True)
+        reason = self._gpu_reason(x, 90, need_triton=True, op="fused_moe_block_fp8")
         if reason is None and tuple(block) != BLOCK:
             reason = f"block {tuple(block)} != (128, 128)"
         if reason is None and w13.dtype != FP8_DTYPE:
@@ -352,7 +381,7 @@ class CudaKernels:
                         swiglu_limit=None, gate_mode: str = "separated", hidden_pad: int = 0,
                         intermediate_pad: int = 0, **meta):
         ref._check_contract(gate_mode, x, w13, w2, hidden_pad, packed=2)
-        reason = self._gpu_reason(x, 80, need_triton=True)
+        reason = self._gpu_reason(x, 80, need_triton=True, op="fused_moe_mxfp4")
         mode = None
         if reason is None and act_mode is not None:
             try:
@@ -377,7 +406,7 @@ class CudaKernels:
     # ---- dense MXFP4 ------------------------------------------------------------------------------
     def mxfp4_linear(self, x, w, w_scale, *, act_mode="even", out_dtype=None):
         k = x.shape[-1]
-        reason = self._gpu_reason(x, 80, need_triton=True)
+        reason = self._gpu_reason(x, 80, need_triton=True, op="mxfp4_linear")
         mode = None
         if reason is None and k % 32:
             reason = f"K={k} not a multiple of 32"
@@ -403,8 +432,8 @@ class CudaKernels:
 
     # ---- mHC mixing coefficients (GLM-5.3-Flash) ---------------------------------------------------
     def mhc_coefficients(self, m, base, scale, n: int, eps: float, iters: int):
-        reason = self._gpu_reason(m, 70, need_triton=True) or (f"hc_mult {n} is not a power of 2" if n & (n - 1)
-                                                                   else None)
+        reason = self._gpu_reason(m, 70, need_triton=True, op="mhc_coefficients") or (
+            f"hc_mult {n} is not a power of 2" if n & (n - 1) else None)
         if reason is not None:
             self._fallback("mhc_coefficients", reason)
             return ref_mhc(m, base, scale, n, eps, iters)
@@ -416,7 +445,7 @@ class CudaKernels:
     def kda_decode(self, q, k, v, g, beta, state, slots, fresh):
         args = (q, k, v, g, beta, state, slots, fresh)
         dk = k.shape[-1]
-        reason = (self._gpu_reason(q, 70, need_triton=True)
+        reason = (self._gpu_reason(q, 70, need_triton=True, op="kda_decode")
                   or (f"head dim {dk} is not a power of 2" if dk & (dk - 1) else None)
                   or (f"state dtype {state.dtype} (needs float32)" if state.dtype != torch.float32 else None))
         if reason is not None:
@@ -428,8 +457,8 @@ class CudaKernels:
 
 
     # ---- attention and the DSA indexer: decode groups -------------------------------------------
-    def _decode_reason(self, x: torch.Tensor, group) -> str | None:
-        return (self._gpu_reason(x, 80, need_triton=True)
+    def _decode_reason(self, x: torch.Tensor, group, op: str) -> str | None:
+        return (self._gpu_reason(x, 80, need_triton=True, op=op)
                 or (f"dtype {x.dtype} (bf16/fp16 kernel)" if x.dtype not in HALF_DTYPES else None)
                 or ("more than one query per sequence" if group.q_index.shape[1] != 1 else None))
 
@@ -438,7 +467,7 @@ class CudaKernels:
         def slow():
             return ref_attention.mla_decode(q, kv_cache, group, selection, kv_lora_rank=kv_lora_rank, scale=scale,
                                             max_bytes=max_bytes)
-        reason = self._decode_reason(q, group) or (
+        reason = self._decode_reason(q, group, "mla_decode") or (
             f"cache dtype {kv_cache.dtype} != {q.dtype}" if kv_cache.dtype != q.dtype else None) or (
             "a bool-mask selection" if selection is not None and selection.dtype == torch.bool else None)
         if reason is not None:
@@ -457,7 +486,7 @@ class CudaKernels:
         def slow():
             return ref_attention.mla_prefill(q, kv_cache, group, selection, kv_b, **kw)
         dn = q.shape[-1] - (kv_cache.shape[-1] - kv_lora_rank)
-        reason = (self._gpu_reason(q, 80, need_triton=True)
+        reason = (self._gpu_reason(q, 80, need_triton=True, op="mla_prefill")
                   or (f"dtype {q.dtype} (bf16/fp16 kernel)" if q.dtype not in HALF_DTYPES else None)
                   or (f"cache dtype {kv_cache.dtype} != {q.dtype}" if kv_cache.dtype != q.dtype else None)
                   or ("a bool-mask selection" if selection is not None and selection.dtype == torch.bool else None)
@@ -471,7 +500,7 @@ class CudaKernels:
     def indexer_topk(self, qi, w, key_cache, group, topk: int, *, max_bytes: int = ref_indexer.SCORE_BYTES):
         def slow():
             return ref_indexer.indexer_topk(qi, w, key_cache, group, topk, max_bytes=max_bytes)
-        reason = self._gpu_reason(qi, 80, need_triton=True)
+        reason = self._gpu_reason(qi, 80, need_triton=True, op="indexer_topk")
         if reason is not None:
             self._fallback("indexer_topk", reason)
             return slow()
@@ -490,7 +519,7 @@ class CudaKernels:
     def moe_routing(self, logits, bias, *, top_k: int, n_group: int, topk_group: int, renormalize: bool,
                     scale: float):
         kw = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, renormalize=renormalize, scale=scale)
-        reason = self._gpu_reason(logits, 70, need_triton=True) or (
+        reason = self._gpu_reason(logits, 70, need_triton=True, op="moe_routing") or (
             f"{logits.shape[-1]} experts > 1024" if logits.shape[-1] > 1024 else None)
         if reason is not None:
             self._fallback("moe_routing", reason)
@@ -499,7 +528,7 @@ class CudaKernels:
         return self._guarded("moe_routing", lambda: fast(logits, bias, **kw), lambda: ref_moe_routing(logits, bias, **kw))
 
     def fp32_linear(self, x, weight):
-        reason = self._gpu_reason(x, 70, need_triton=True)
+        reason = self._gpu_reason(x, 70, need_triton=True, op="fp32_linear")
         if reason is not None or x.dim() != 2 or x.shape[0] * weight.shape[0] * weight.shape[1] > L.FP32_LINEAR_MAX_FMAS:
             if reason is not None:
                 self._fallback("fp32_linear", reason)
@@ -508,7 +537,7 @@ class CudaKernels:
         return self._guarded("fp32_linear", lambda: fast(x, weight), lambda: ref_fp32_linear(x, weight))
 
     def swiglu(self, gate, up, limit=None):
-        reason = (self._gpu_reason(gate, 80, need_triton=True)
+        reason = (self._gpu_reason(gate, 80, need_triton=True, op="swiglu")
                   or (f"dtype {gate.dtype}" if gate.dtype not in HALF_DTYPES or up.dtype != gate.dtype else None)
                   or ("not [T, I] rows with unit last strides" if gate.dim() != 2 or gate.shape != up.shape
                       or gate.stride(-1) != 1 or up.stride(-1) != 1 else None))
@@ -519,8 +548,8 @@ class CudaKernels:
         return self._guarded("swiglu", lambda: fast(gate, up, limit), lambda: ref_swiglu(gate, up, limit))
 
     # ---- per-token KV-cache writes (norm + rope + cast + scatter) -----------------------------------
-    def _cache_write_reason(self, x, tensors, cache, rope_dim: int) -> str | None:
-        return (self._gpu_reason(x, 80, need_triton=True)
+    def _cache_write_reason(self, x, tensors, cache, rope_dim: int, op: str) -> str | None:
+        return (self._gpu_reason(x, 80, need_triton=True, op=op)
                 or next((f"dtype {t.dtype} (bf16/fp16/fp32 kernel)" for t in (x, *tensors, cache)
                          if t.dtype not in (*HALF_DTYPES, torch.float32)), None)
                 or ("cache rows not contiguous" if cache.stride(-1) != 1 else None)
@@ -528,7 +557,8 @@ class CudaKernels:
 
     def mla_kv_write(self, ckv, norm_weight, eps, cos, sin, interleave, kv_cache, slot_mapping):
         args = (ckv, norm_weight, eps, cos, sin, interleave, kv_cache, slot_mapping)
-        reason = self._cache_write_reason(ckv, (norm_weight,), kv_cache, ckv.shape[-1] - norm_weight.shape[0])
+        reason = self._cache_write_reason(ckv, (norm_weight,), kv_cache, ckv.shape[-1] - norm_weight.shape[0],
+                                          "mla_kv_write")
         if reason is not None:
             self._fallback("mla_kv_write", reason)
             return ref_cache_write.mla_kv_write(*args)
@@ -537,7 +567,7 @@ class CudaKernels:
 
     def indexer_key_write(self, k, ln_weight, ln_bias, eps, cos, sin, rope_dim, interleave, key_cache, slot_mapping):
         args = (k, ln_weight, ln_bias, eps, cos, sin, rope_dim, interleave, key_cache, slot_mapping)
-        reason = self._cache_write_reason(k, (ln_weight, ln_bias), key_cache, rope_dim)
+        reason = self._cache_write_reason(k, (ln_weight, ln_bias), key_cache, rope_dim, "indexer_key_write")
         if reason is not None:
             self._fallback("indexer_key_write", reason)
             return ref_cache_write.indexer_key_write(*args)
@@ -548,7 +578,7 @@ class CudaKernels:
     # ---- rotary embedding of a query, in place ----------------------------------------------------
     def rope_inplace(self, x, cos, sin, interleave: bool, start: int):
         args = (x, cos, sin, interleave, start)
-        reason = (self._gpu_reason(x, 80, need_triton=True)
+        reason = (self._gpu_reason(x, 80, need_triton=True, op="rope_inplace")
                   or (f"dtype {x.dtype}" if x.dtype not in (*HALF_DTYPES, torch.float32) else None)
                   or (f"cos/sin dtype {cos.dtype}/{sin.dtype}" if cos.dtype not in (*HALF_DTYPES, torch.float32)
                       or sin.dtype not in (*HALF_DTYPES, torch.float32) else None)
@@ -563,7 +593,7 @@ class CudaKernels:
 
     # ---- RMSNorm (+ fused residual add) ---------------------------------------------------------
     def rms_norm(self, x, weight, eps: float, residual=None):
-        reason = (self._gpu_reason(x, 80, need_triton=True)
+        reason = (self._gpu_reason(x, 80, need_triton=True, op="rms_norm")
                   or (f"dtype {x.dtype} (bf16/fp16 kernel)" if x.dtype not in HALF_DTYPES else None)
                   or (f"weight dtype {weight.dtype} != {x.dtype}" if weight.dtype != x.dtype else None)
                   or (f"residual {residual.dtype} {tuple(residual.shape)} != x {x.dtype} {tuple(x.shape)}"
