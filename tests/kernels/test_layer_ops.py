@@ -43,13 +43,29 @@ def test_cuda_backend_inherits_the_references(monkeypatch):
 
 
 def test_aiter_backend_inherits_the_references(monkeypatch):
+    """Past aiter's own ops the aiter table holds the portable Triton kernels (where triton imports),
+    the torch references for the rest; GLM_RAY_TORCH_OPS pins any of them back to the reference."""
+    from glm_ray.kernels.aiter.ops import triton_fallback
+    from glm_ray.kernels.cuda.ops import ROCM_PORTABLE, CudaKernels
     fake_aiter.install(monkeypatch)
+    has_triton = triton_fallback() is not None
     try:
         ops = kernels.init_backend("aiter")
         for name, ref in NEW_OPS.items():
-            if name != "mla_decode":                                 # aiter's mla_decode_fwd (page size 1)
-                assert getattr(ops, name) is ref, name
+            if name == "mla_decode":                                 # aiter's mla_decode_fwd (page size 1)
+                continue
+            fn = getattr(ops, name)
+            if has_triton and name in ROCM_PORTABLE:
+                assert isinstance(fn.__self__, CudaKernels) and fn.__func__ is getattr(CudaKernels, name), name
+            else:
+                assert fn is ref, name
+        pinned = [n for n in NEW_OPS if n != "mla_decode"]
+        monkeypatch.setenv("GLM_RAY_TORCH_OPS", ",".join(pinned))
+        ops = kernels.init_backend("aiter")
+        for name in pinned:
+            assert getattr(ops, name) is NEW_OPS[name], name
     finally:
+        monkeypatch.delenv("GLM_RAY_TORCH_OPS", raising=False)
         kernels.init_backend("torch")
 
 
