@@ -74,9 +74,8 @@ def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
         return logits
     r, c = stage([np.asarray(rows_i, dtype=np.int64),                              # [P] each, one copy
                   np.asarray([t for _, ids in blocked for t in ids], dtype=np.int64)], logits.device)
-    logits = logits.clone()
-    logits[r, c] = float("-inf")
-    return logits
+    # a device-made value: `logits[r, c] = float("-inf")` would copy the scalar from pageable host memory
+    return logits.index_put((r, c), logits.new_full((1,), float("-inf")))
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
