@@ -216,6 +216,15 @@ class EngineCore:
         self.async_scheduling = self.scheduler.async_mode = bool(on) and hasattr(self.executor, "launch")
         return self.async_scheduling
 
+    def set_prefix_caching(self, on: bool) -> bool:
+        """Switch prefix caching between runs (in-process A/B) and forget the unheld cached blocks; needs
+        an idle engine. Returns the mode in effect (off for hybrid models, see `_prefix_caching`)."""
+        if self.has_unfinished():
+            raise RuntimeError("switch prefix caching only while the engine is idle")
+        self.kv.reset_prefix_cache()
+        self.kv.enable_prefix_caching = bool(on) and not self.model_cfg.linear_attention_layers()
+        return self.kv.enable_prefix_caching
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._inflight is not None
 

@@ -107,6 +107,17 @@ class KVCacheManager:
             stack.extend(self._children.pop(b, ()))
 
     # ---- the prefix cache --------------------------------------------------------------------
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (vLLM's `reset_prefix_cache`); returns how many.
+        Held blocks stay registered: their holders' chains go on. Counters are kept."""
+        free_cached = [b for b in self._free if self._key[b] is not None]
+        for b in free_cached:
+            if self._key[b] is not None:             # (a parent's eviction may have taken it already)
+                self._evict(b)
+        for b in free_cached:                        # hand the forgotten blocks out first, as never-registered
+            self._free.move_to_end(b, last=False)
+        return len(free_cached)
+
     def match(self, req) -> list[int]:
         """The registered blocks holding the longest cached prefix of the request's tokens (not yet held)."""
         if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:

@@ -132,6 +132,23 @@ def test_cache_off_matches_nothing():
     assert kv.match(_req("b", [1, 2, 3, 4, 5])) == [] and kv.num_cached_blocks == 0
 
 
+def test_reset_forgets_the_unheld_blocks_only():
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    a, b = _req("a", range(1, 13)), _req("b", range(50, 62))
+    for r in (a, b):
+        kv.admit(r, kv.match(r))
+        _compute(kv, r)
+    a_ids = list(a.block_ids)
+    kv.free(a)                                            # a's 3 blocks: cached, unheld; b's: held
+    assert kv.num_cached_blocks == 6
+    assert kv.reset_prefix_cache() == 3
+    assert kv.num_cached_blocks == 3 and kv.match(_req("a2", range(1, 13))) == []
+    assert len(kv.match(_req("b2", range(50, 62)))) == 2   # b's chain stays
+    assert set(list(kv._free)[:3]) == set(a_ids)           # forgotten blocks go out first
+    kv.free(b)
+    assert kv.num_free == 16 and kv.reset_prefix_cache() == 3 and kv.num_cached_blocks == 0
+
+
 def test_scheduler_computes_only_the_uncached_tail():
     kv = KVCacheManager(64, 4, enable_prefix_caching=True)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv)
