@@ -37,7 +37,7 @@ from glm_ray.engine.engine_core import EngineCore
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.llm import LLM
 
-COLS = ("mode", "rep", "hit_rate", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "queued_ms",
+COLS = ("concurrency", "mode", "rep", "hit_rate", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "queued_ms",
         "steps_to_first", "output_tok_s", "decode_step_ms", "mixed_step_ms", "mixed_tokens")
 
 
@@ -94,10 +94,11 @@ def run_workload(engine: EngineCore, rows: list[DatasetRow], concurrency: int) -
     return summary, outputs
 
 
-def run(model: str | None, *, modes=("on", "off"), repeats: int = 1, concurrency: int = 4, num_groups: int = 8,
+def run(model: str | None, *, modes=("on", "off"), repeats: int = 1, concurrency=(4,), num_groups: int = 8,
         prompts_per_group: int = 8, system_prompt_len: int = 1024, question_len: int = 32, output_len: int = 16,
         warmup_groups: int = 2, seed: int = 0, **engine_kw) -> tuple[list[dict], dict]:
-    """Every mode's rows (alternating order over `repeats` rounds) and the output comparison."""
+    """Every (concurrency, mode) row (modes alternating over `repeats` rounds per concurrency) and the
+    output comparison (first run of each mode)."""
     llm = LLM(model, **engine_kw)
     eng = llm.engine
     V = eng.model_cfg.vocab_size
@@ -108,15 +109,18 @@ def run(model: str | None, *, modes=("on", "off"), repeats: int = 1, concurrency
         warm = shared_prefix_rows(np.random.default_rng(seed + 7), num_groups=warmup_groups, **shape)
         for m in dict.fromkeys(modes):
             eng.set_prefix_caching(m == "on")
-            run_workload(eng, warm, concurrency)
+            run_workload(eng, warm, max(concurrency))
     order = [m for r in range(repeats) for m in (modes if r % 2 == 0 else modes[::-1])]
     results, outs = [], {}
-    for rep, mode in enumerate(order):
-        in_effect = eng.set_prefix_caching(mode == "on")       # also forgets the unheld cached blocks
-        summary, out = run_workload(eng, rows, concurrency)
-        results.append({"mode": mode if in_effect or mode == "off" else "on(n/a)", "rep": rep,
-                        "concurrency": concurrency, **summary})
-        outs.setdefault(mode, out)
+    for c in concurrency:
+        for rep, mode in enumerate(order):
+            in_effect = eng.set_prefix_caching(mode == "on")   # also forgets the unheld cached blocks
+            summary, out = run_workload(eng, rows, c)
+            results.append({"concurrency": c, "mode": mode if in_effect or mode == "off" else "on(n/a)",
+                            "rep": rep, **summary})
+            print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in results[-1].items()),
+                  flush=True)                                  # as it comes: a long run cut short keeps its rows
+            outs.setdefault(mode, out)
     same = {}
     if len(outs) == 2:
         a, b = outs.values()
@@ -125,7 +129,7 @@ def run(model: str | None, *, modes=("on", "off"), repeats: int = 1, concurrency
 
 
 def ratios(rows: list[dict]) -> dict[str, float]:
-    """off/on for the TTFTs, on/off for throughput, over the mean of each mode's runs."""
+    """off/on for the TTFTs, on/off for throughput, over the mean of each mode's runs (of one concurrency)."""
     def mean(mode, k):
         xs = [r[k] for r in rows if r["mode"] == mode]
         return statistics.fmean(xs) if xs else float("nan")
@@ -154,7 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
     p.add_argument("--gsp-question-len", type=int, default=32)
     p.add_argument("--gsp-output-len", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[4],
+                   help="closed-loop clients; several values run one after another on the same engine")
     p.add_argument("--modes", nargs="+", choices=["on", "off"], default=["on", "off"])
     p.add_argument("--repeats", type=int, default=1, help="rounds of --modes (order alternates)")
     p.add_argument("--warmup-groups", type=int, default=2)
@@ -169,7 +174,7 @@ def main(argv=None) -> int:
         model, load_format = str(model_dir_for(a.model or "glm5-tiny", a.quant, tmp)), "dummy"
     kv = int(a.kv_cache_memory_gb * 2**30) if a.kv_cache_memory_gb else None
     try:
-        rows, same = run(model, modes=tuple(a.modes), repeats=a.repeats, concurrency=a.concurrency,
+        rows, same = run(model, modes=tuple(a.modes), repeats=a.repeats, concurrency=tuple(a.concurrency),
                          num_groups=a.gsp_num_groups, prompts_per_group=a.gsp_prompts_per_group,
                          system_prompt_len=a.gsp_system_prompt_len, question_len=a.gsp_question_len,
                          output_len=a.gsp_output_len, warmup_groups=a.warmup_groups, seed=a.seed,
@@ -180,8 +185,10 @@ def main(argv=None) -> int:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     print_rows(rows, COLS, width=14)
-    if {"on", "off"} <= {r["mode"] for r in rows}:
-        print("  ".join(f"{k} {v:.2f}" for k, v in ratios(rows).items()))
+    for c in a.concurrency:
+        at_c = [r for r in rows if r["concurrency"] == c]
+        if {"on", "off"} <= {r["mode"] for r in at_c}:
+            print(f"C={c}: " + "  ".join(f"{k} {v:.2f}" for k, v in ratios(at_c).items()))
     if same:
         print(f"greedy outputs identical with the cache on and off: {same['identical']} / {same['rows']} prompts")
     append_rows(a.json, rows)

@@ -29,11 +29,11 @@ def test_cache_on_and_off_in_one_engine(tmp_path, capsys):
         assert r["decode_steps"] + r["mixed_steps"] > 0
     text = capsys.readouterr().out
     assert f"greedy outputs identical with the cache on and off: {G * P} / {G * P} prompts" in text
-    assert "mean_ttft_off_over_on" in text
+    assert "C=1: mean_ttft_off_over_on" in text
 
 
 def test_outputs_are_compared_per_prompt():
-    rows, same = shared_prefix.run(None, modes=("on", "off"), concurrency=3, num_groups=2, prompts_per_group=3,
+    rows, same = shared_prefix.run(None, modes=("on", "off"), concurrency=(3,), num_groups=2, prompts_per_group=3,
                                    system_prompt_len=32, question_len=5, output_len=3, warmup_groups=0,
                                    dtype="float32", device="cpu")
     assert same == {"rows": 6, "identical": 6}

@@ -233,6 +233,29 @@ def test_prefill_rows_match_engine_indexer_topk(monkeypatch, impl, max_bytes):
     assert seen == 7 + 12 + 5 + 1 and len(fb.groups) >= 2          # every query once (the decode group too)
 
 
+@pytest.mark.parametrize("query_lens,context_lens", [([12], [30]), ([7, 12, 5], [7, 30, 21])],
+                         ids=["one-sequence", "padded"])
+def test_prefill_plan_is_shared_by_the_layers(query_lens, context_lens):
+    """The group's row bookkeeping is built by the first call and reused: a second layer's queries on the
+    same group (other qi / w, same metadata) still match the reference; one plan per (topk, rows)."""
+    qi, w, key_cache, fb = _prefill_case(query_lens, context_lens, 4, seed=3)
+    group = next(g for g in fb.groups if g.q_index.shape[1] > 1)
+    g2 = torch.Generator().manual_seed(4)
+    layers = [(qi, w), ((torch.randn(qi.shape, generator=g2) + 1).to(DEV), torch.randn(w.shape, generator=g2).to(DEV))]
+    for lqi, lw in layers:
+        ref = indexer_topk(lqi, lw, key_cache, group, 9)
+        got = K.indexer_prefill_topk(lqi, lw, key_cache, group, 9, max_bytes=1 << 30)
+        Qmax = group.q_index.shape[1]
+        for b in range(group.num_seqs):
+            for i in range(Qmax):
+                g_, r_ = got[b, i], ref[b, i]
+                assert set(g_[g_ >= 0].tolist()) == set(r_[r_ >= 0].tolist()), (b, i)
+                if not bool(group.q_valid[b, i]):
+                    assert bool((g_ == -1).all())
+    assert list(K._PLANS[group]) == [(9, (1 << 30) // (group.max_context_len * 4))]
+    assert K._PLANS[group][(9, (1 << 30) // (group.max_context_len * 4))].dense == (len(query_lens) == 1)
+
+
 @pytest.mark.parametrize("query_lens,context_lens", [([150, 3, 70], [150, 40, 200]), ([65], [65])])
 def test_prefill_tiles_score_like_one_row_per_query(monkeypatch, query_lens, context_lens):
     """The tiled prefill scores == the decode kernel run with one row per query (its sequence's table, its

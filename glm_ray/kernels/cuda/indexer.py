@@ -39,6 +39,8 @@ interpreter's bf16 dot is garbage); the split itself is still exercised.
 from __future__ import annotations
 
 import os
+import weakref
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -239,18 +241,19 @@ PREFILL_BLOCK_N = 64
 
 def indexer_prefill_scores(q: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
                            row0: torch.Tensor, nrows: torch.Tensor, pos0: torch.Tensor, kmax: int,
-                           block_size: int) -> torch.Tensor:
+                           block_size: int, tiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Scores of R query rows grouped by sequence: sequence b's rows are q[row0[b] : row0[b] + nrows[b]]
     (consecutive positions from pos0[b]; nrows may be 0), its keys at block_table[b]. q [R, Hi, di] fp32 /
     bf16, w [R, Hi] fp32, row0 / nrows / pos0 [B] int32 on the device. Returns [R, kmax] fp32: I[r, t]
     for t <= the row's position, -inf after. Tiles of PREFILL_BLOCK_M rows x PREFILL_BLOCK_N keys (the
-    table of tiles built on the device: no host sync)."""
+    table of tiles built on the device: no host sync; `tiles` = `row_tiles(nrows, PREFILL_BLOCK_M, R)`
+    when the caller made it already)."""
     R, H, D = q.shape
     out = torch.empty(R, kmax, dtype=torch.float32, device=q.device)           # [R, kmax]
     if R == 0 or kmax == 0:
         return out
     bm, bn = PREFILL_BLOCK_M, PREFILL_BLOCK_N
-    tile_seq, tile_off = row_tiles(nrows, bm, R)                               # [NT] each
+    tile_seq, tile_off = tiles if tiles is not None else row_tiles(nrows, bm, R)   # [NT] each
     nt = tile_seq.shape[0]
     q = q if q.stride(-1) == 1 else q.contiguous()
     w = w.contiguous()
@@ -262,6 +265,51 @@ def indexer_prefill_scores(q: torch.Tensor, w: torch.Tensor, key_cache: torch.Te
     return out
 
 
+@dataclass(frozen=True)
+class ScoreChunk:
+    """Rows [r0, r1) of a prefill group's packed query rows, scored in one `indexer_prefill_scores` call."""
+    r0: int
+    r1: int
+    row0: torch.Tensor            # [B] int32 first row of each sequence within the chunk
+    nrows: torch.Tensor           # [B] int32 rows of each sequence within the chunk (may be 0)
+    pos0: torch.Tensor            # [B] int32 position of each sequence's first row in the chunk
+    lens: torch.Tensor            # [r1 - r0] int32 causal context of each row (position + 1)
+    tiles: tuple[torch.Tensor, torch.Tensor]   # `row_tiles(nrows, PREFILL_BLOCK_M, r1 - r0)`
+
+
+@dataclass(frozen=True)
+class IndexerPrefillPlan:
+    """What `indexer_prefill_topk` derives from a group's metadata alone — the same for every layer of the
+    step, so it is built once per group (device ops, no host sync) instead of once per layer."""
+    kmax: int
+    k: int
+    dense: bool                   # no padded query slots: the packed rows are the [B*Qmax] rows in order
+    chunks: tuple[ScoreChunk, ...]
+
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # AttnGroup -> {(topk, rows): plan}
+
+
+def indexer_prefill_plan(group, topk: int, rows: int) -> IndexerPrefillPlan:
+    """The plan of `group` for top-`topk` picks scored in chunks of at most `rows` query rows."""
+    B, Qmax = group.q_index.shape
+    kmax = group.max_context_len
+    tg = group.packed.shape[0]
+    ql = group.query_lens.long()
+    first = (group.context_lens - group.query_lens).long()                      # [B] first new position
+    start = torch.cumsum(ql, 0) - ql                                            # [B] first packed row
+    seq = group.packed // Qmax                                                  # [Tg] sequence of each row
+    lens = (first[seq] + group.packed % Qmax + 1).to(torch.int32)               # [Tg] causal context
+    chunks = []
+    for r0 in range(0, tg, rows):                                               # chunks of rows (usually one)
+        r1 = min(tg, r0 + rows)
+        lo, hi = start.clamp(min=r0, max=r1), (start + ql).clamp(min=r0, max=r1)   # [B] the chunk's rows
+        nrows = (hi - lo).to(torch.int32)
+        chunks.append(ScoreChunk(r0, r1, (lo - r0).to(torch.int32), nrows, (first + lo - start).to(torch.int32),
+                                 lens[r0:r1], row_tiles(nrows, PREFILL_BLOCK_M, r1 - r0)))
+    return IndexerPrefillPlan(kmax=kmax, k=min(topk, kmax), dense=tg == B * Qmax, chunks=tuple(chunks))
+
+
 def indexer_prefill_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, group, topk: int, *,
                          max_bytes: int) -> torch.Tensor:
     """The `indexer_topk` op on a prefill group (several queries per sequence): the query rows of a
@@ -270,31 +318,32 @@ def indexer_prefill_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Ten
     as decode, with no [B, Qmax, Hi, Kmax] per-head scores and no padded views. qi [T, Hi, di], w [T, Hi]:
     rows of the whole step. Returns indices [B, Qmax, k] int32 (k = min(topk, max_context_len); -1 where a
     query has fewer than k causal keys and in padded query slots). Rows go in chunks whose [rows, Kmax]
-    fp32 scores fit `max_bytes` (one chunk unless the step's queries x context are large)."""
+    fp32 scores fit `max_bytes` (one chunk unless the step's queries x context are large). The group's
+    row bookkeeping (`indexer_prefill_plan`) is built by its first layer and shared by the others."""
     B, Qmax = group.q_index.shape
-    kmax = group.max_context_len
-    k = min(topk, kmax)
-    out = torch.full((B * Qmax, k), -1, dtype=torch.int32, device=qi.device)    # [B*Qmax, k]
-    tg = group.packed.shape[0]
-    if tg == 0:
-        return out.view(B, Qmax, k)
-    ql = group.query_lens.long()
-    first = (group.context_lens - group.query_lens).long()                      # [B] first new position
-    start = torch.cumsum(ql, 0) - ql                                            # [B] first packed row
-    seq = group.packed // Qmax                                                  # [Tg] sequence of each row
-    lens = (first[seq] + group.packed % Qmax + 1).to(torch.int32)               # [Tg] causal context
-    q, ww = qi[group.token_index], w[group.token_index]                         # [Tg, Hi, di], [Tg, Hi]
+    rows = max(1, max_bytes // (group.max_context_len * 4))
+    plans = _PLANS.setdefault(group, {})
+    plan = plans.get((topk, rows))
+    if plan is None:
+        plan = plans[(topk, rows)] = indexer_prefill_plan(group, topk, rows)
+    k = plan.k
+    if not plan.chunks:
+        return torch.full((B, Qmax, k), -1, dtype=torch.int32, device=qi.device)
+    if group.row_span is not None:                                              # the group's rows in order
+        q, ww = qi[group.row_span[0]:group.row_span[1]], w[group.row_span[0]:group.row_span[1]]
+    else:
+        q, ww = qi[group.token_index], w[group.token_index]                     # [Tg, Hi, di], [Tg, Hi]
     table = group.block_table.contiguous()
-    rows = max(1, max_bytes // (kmax * 4))
     picks = []
-    for r0 in range(0, tg, rows):                                               # chunks of rows (usually one)
-        r1 = min(tg, r0 + rows)
-        lo, hi = start.clamp(min=r0, max=r1), (start + ql).clamp(min=r0, max=r1)   # [B] the chunk's rows
-        scores = indexer_prefill_scores(q[r0:r1], ww[r0:r1], key_cache, table, (lo - r0).to(torch.int32),
-                                        (hi - lo).to(torch.int32), (first + lo - start).to(torch.int32), kmax,
-                                        group.block_size)                       # [rows, kmax]
-        picks.append(select_topk(scores, lens[r0:r1], k))                       # [rows, k]
-    out[group.packed] = picks[0] if len(picks) == 1 else torch.cat(picks)
+    for ch in plan.chunks:
+        scores = indexer_prefill_scores(q[ch.r0:ch.r1], ww[ch.r0:ch.r1], key_cache, table, ch.row0, ch.nrows,
+                                        ch.pos0, plan.kmax, group.block_size, tiles=ch.tiles)   # [rows, kmax]
+        picks.append(select_topk(scores, ch.lens, k))                           # [rows, k]
+    picked = picks[0] if len(picks) == 1 else torch.cat(picks)                  # [Tg, k]
+    if plan.dense:                                                              # packed == arange(B * Qmax)
+        return picked.view(B, Qmax, k)
+    out = torch.full((B * Qmax, k), -1, dtype=torch.int32, device=qi.device)    # [B*Qmax, k]
+    out[group.packed] = picked
     return out.view(B, Qmax, k)
 
 
