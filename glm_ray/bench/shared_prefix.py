@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from glm_ray.bench.datasets import DatasetRow, shared_prefix_rows
+from glm_ray.bench.decode import model_dir_for
 from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.engine.engine_core import EngineCore
 from glm_ray.engine.sampling_params import SamplingParams
@@ -169,7 +170,6 @@ def main(argv=None) -> int:
     tmp = None
     model, load_format = a.model, a.load_format
     if a.quant:
-        from glm_ray.bench.decode import model_dir_for  # noqa: PLC0415 - only for the dummy-weights form
         tmp = Path(tempfile.mkdtemp(prefix="glm-ray-gsp-"))
         model, load_format = str(model_dir_for(a.model or "glm5-tiny", a.quant, tmp)), "dummy"
     kv = int(a.kv_cache_memory_gb * 2**30) if a.kv_cache_memory_gb else None
