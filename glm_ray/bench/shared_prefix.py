@@ -14,7 +14,8 @@ that finished it), as `--max-concurrency` does. One engine runs every mode (`--m
 alternating over `--repeats` rounds), the unheld cached blocks forgotten before each run, after a
 discarded warm-up of two other groups — the same process, weights, graphs and allocator for both.
 
-Per run: the engine's TTFT (arrival -> first token; queued = arrival -> first scheduled), the number of
+Per run: the engine's TTFT (arrival -> first token; queued = arrival -> first scheduled; the median apart for
+the requests that found a cached prefix and those that did not), the number of
 engine steps a request waited for its first token, output throughput, the hit rate (cached / looked-up
 prompt tokens), and the median wall time of the engine's pure-decode and prefill/mixed steps (a step's
 wall time under async scheduling is "launch N+1, read N back"). Greedy outputs are compared across
@@ -38,7 +39,7 @@ from glm_ray.engine.engine_core import EngineCore
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.llm import LLM
 
-COLS = ("concurrency", "mode", "rep", "hit_rate", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "queued_ms",
+COLS = ("concurrency", "mode", "rep", "hit_rate", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "hit_median_ttft_ms", "queued_ms",
         "steps_to_first", "output_tok_s", "decode_step_ms", "mixed_step_ms", "mixed_tokens")
 
 
@@ -49,6 +50,7 @@ def run_workload(engine: EngineCore, rows: list[DatasetRow], concurrency: int) -
     added_at_step: dict[str, int] = {}
     outputs: dict[int, list[int]] = {}
     ttft, queued, waited, decode_ms, mixed_ms, mixed_tokens = [], [], [], [], [], []
+    hit_ttft, miss_ttft = [], []                                # by whether the request found a cached prefix
     q0, h0 = engine.kv.prefix_queries, engine.kv.prefix_hits
     n_out, step_no, t_start = 0, 0, time.perf_counter()
     while pending or engine.has_unfinished():
@@ -75,6 +77,7 @@ def run_workload(engine: EngineCore, rows: list[DatasetRow], concurrency: int) -
             n_out += len(d.new_token_ids)
             if d.first_token_time is not None:
                 ttft.append(d.first_token_time - d.arrival_time)
+                (hit_ttft if d.num_cached_tokens else miss_ttft).append(ttft[-1])
                 queued.append((d.first_scheduled_time or d.arrival_time) - d.arrival_time)
                 waited.append(step_no - added_at_step[d.request_id])
             if d.finished:
@@ -86,7 +89,10 @@ def run_workload(engine: EngineCore, rows: list[DatasetRow], concurrency: int) -
         "requests": len(rows), "hit_rate": h / q if q else 0.0,
         "mean_ttft_ms": statistics.fmean(ms), "median_ttft_ms": statistics.median(ms),
         "p90_ttft_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))], "queued_ms": 1e3 * statistics.fmean(queued),
-        "steps_to_first": statistics.median(waited), "output_tok_s": n_out / dur, "duration_s": dur,
+        "steps_to_first": statistics.median(waited),
+        "hit_median_ttft_ms": 1e3 * statistics.median(hit_ttft) if hit_ttft else float("nan"),
+        "miss_median_ttft_ms": 1e3 * statistics.median(miss_ttft) if miss_ttft else float("nan"),
+        "hit_requests": len(hit_ttft), "output_tok_s": n_out / dur, "duration_s": dur,
         "decode_step_ms": statistics.median(decode_ms) if decode_ms else float("nan"),
         "mixed_step_ms": statistics.median(mixed_ms) if mixed_ms else float("nan"),
         "mixed_tokens": int(statistics.median(mixed_tokens)) if mixed_tokens else 0,

@@ -27,6 +27,8 @@ def test_cache_on_and_off_in_one_engine(tmp_path, capsys):
         assert r["hit_rate"] == (pytest.approx(ideal) if r["mode"] == "on" else 0.0)
         assert r["steps_to_first"] >= 1 and r["mean_ttft_ms"] > 0 and r["output_tok_s"] > 0
         assert r["decode_steps"] + r["mixed_steps"] > 0
+        # at C=1 every group's first prompt misses and every later one hits (cache on); off: all miss
+        assert r["hit_requests"] == (G * (P - 1) if r["mode"] == "on" else 0)
     text = capsys.readouterr().out
     assert f"greedy outputs identical with the cache on and off: {G * P} / {G * P} prompts" in text
     assert "C=1: mean_ttft_off_over_on" in text
