@@ -52,6 +52,7 @@ class AttnGroup:
     # and scatters back can be slices (None: use the indices)
     row_span: tuple[int, int] | None = None
     _views: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _plans: dict = field(default_factory=dict, init=False, repr=False)   # kernel plans derived from the metadata (`plan`)
 
     @property
     def num_seqs(self) -> int:
@@ -73,6 +74,13 @@ class AttnGroup:
         if self.row_span is not None:
             return x[self.row_span[0]:self.row_span[1]]
         return x[self.q_index[:, 0]]
+
+    def plan(self, key, build):
+        """A kernel's layer-independent plan of this group (device metadata derived from the group's),
+        built by `build()` on the first layer that asks for `key` and shared by the step's other layers."""
+        if key not in self._plans:
+            self._plans[key] = build()
+        return self._plans[key]
 
     def _padded_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._views is None:

@@ -164,11 +164,14 @@ class EngineCore:
         prefix is not a function of KV blocks, and this engine keeps no per-block state snapshots."""
         if not cfg.cache.enable_prefix_caching:
             return False
-        if self.model_cfg.linear_attention_layers():
+        if not self._can_cache_prefixes():
             logger.info("prefix caching is off for %s: its KDA layers' recurrent state cannot be restored "
                         "from cached KV blocks", self.model_cfg.model_type)
             return False
         return True
+
+    def _can_cache_prefixes(self) -> bool:
+        return not self.model_cfg.linear_attention_layers()
 
     # ---- requests -----------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -222,7 +225,7 @@ class EngineCore:
         if self.has_unfinished():
             raise RuntimeError("switch prefix caching only while the engine is idle")
         self.kv.reset_prefix_cache()
-        self.kv.enable_prefix_caching = bool(on) and not self.model_cfg.linear_attention_layers()
+        self.kv.enable_prefix_caching = bool(on) and self._can_cache_prefixes()
         return self.kv.enable_prefix_caching
 
     def has_unfinished(self) -> bool:

@@ -252,8 +252,9 @@ def test_prefill_plan_is_shared_by_the_layers(query_lens, context_lens):
                 assert set(g_[g_ >= 0].tolist()) == set(r_[r_ >= 0].tolist()), (b, i)
                 if not bool(group.q_valid[b, i]):
                     assert bool((g_ == -1).all())
-    assert list(K._PLANS[group]) == [(9, (1 << 30) // (group.max_context_len * 4))]
-    assert K._PLANS[group][(9, (1 << 30) // (group.max_context_len * 4))].dense == (len(query_lens) == 1)
+    key = ("indexer_prefill", 9, (1 << 30) // (group.max_context_len * 4))
+    assert list(group._plans) == [key]
+    assert group._plans[key].dense == (len(query_lens) == 1)
 
 
 @pytest.mark.parametrize("query_lens,context_lens", [([150, 3, 70], [150, 40, 200]), ([65], [65])])

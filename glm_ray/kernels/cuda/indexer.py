@@ -39,7 +39,6 @@ interpreter's bf16 dot is garbage); the split itself is still exercised.
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -287,9 +286,6 @@ class IndexerPrefillPlan:
     chunks: tuple[ScoreChunk, ...]
 
 
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # AttnGroup -> {(topk, rows): plan}
-
-
 def indexer_prefill_plan(group, topk: int, rows: int) -> IndexerPrefillPlan:
     """The plan of `group` for top-`topk` picks scored in chunks of at most `rows` query rows."""
     B, Qmax = group.q_index.shape
@@ -322,10 +318,7 @@ def indexer_prefill_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Ten
     row bookkeeping (`indexer_prefill_plan`) is built by its first layer and shared by the others."""
     B, Qmax = group.q_index.shape
     rows = max(1, max_bytes // (group.max_context_len * 4))
-    plans = _PLANS.setdefault(group, {})
-    plan = plans.get((topk, rows))
-    if plan is None:
-        plan = plans[(topk, rows)] = indexer_prefill_plan(group, topk, rows)
+    plan = group.plan(("indexer_prefill", topk, rows), lambda: indexer_prefill_plan(group, topk, rows))
     k = plan.k
     if not plan.chunks:
         return torch.full((B, Qmax, k), -1, dtype=torch.int32, device=qi.device)

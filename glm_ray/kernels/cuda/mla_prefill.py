@@ -50,7 +50,6 @@ are upcast to fp32 (the interpreter's bf16 dot is garbage, numpy has no bf16).
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -431,9 +430,6 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
     return out
 
 
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # AttnGroup -> {(BM, BN, chunk): plan}
-
-
 def mla_prefill_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup, selection: torch.Tensor | None,
                       kv_b: Callable[[torch.Tensor], torch.Tensor], *, kv_lora_rank: int, v_head_dim: int,
                       scale: float, max_bytes: int, config: tuple[int, int, int, int] | None = None,
@@ -446,13 +442,10 @@ def mla_prefill_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup,
     cfg = config or _config(dq, dv)
     chunk = chunk_keys(group.num_seqs, h, dq - dr, dv, r + dr, kv_cache.element_size(), max_bytes, cfg[1],
                        group.max_context_len)
-    plans = _PLANS.setdefault(group, {})
-    key = (cfg[0], cfg[1], chunk)
-    if key not in plans:
-        plans[key] = prefill_plan(group.block_table, group.context_lens, group.query_lens, group.token_index,
-                                  group.block_size, group.max_context_len, block_m=cfg[0], block_n=cfg[1],
-                                  chunk=chunk)
-    return mla_prefill_varlen(q, kv_cache, kv_b, plans[key], kv_lora_rank=r, v_head_dim=dv, scale=scale,
+    plan = group.plan(("mla_prefill", cfg[0], cfg[1], chunk), lambda: prefill_plan(
+        group.block_table, group.context_lens, group.query_lens, group.token_index, group.block_size,
+        group.max_context_len, block_m=cfg[0], block_n=cfg[1], chunk=chunk))
+    return mla_prefill_varlen(q, kv_cache, kv_b, plan, kv_lora_rank=r, v_head_dim=dv, scale=scale,
                               indices=selection, config=cfg, tiles=tiles)
 
 
