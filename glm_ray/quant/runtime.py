@@ -150,6 +150,27 @@ def fill_padding(param: torch.Tensor, geom: MoEParamGeometry, value) -> None:
 # dummy init (load_format="dummy")
 # --------------------------------------------------------------------------------------------
 
+# dummy payloads are drawn a slab of leading-dim rows at a time: a GLM-5 expert tensor ([256, 4096, 6144] e4m3,
+# 6 GiB) drawn whole in fp32 would need four times its size again in temporaries (25 GiB each) on the GPU
+_DUMMY_SLAB_ELEMS = 1 << 26
+
+
+def _slabs(t: torch.Tensor):
+    """Views of t covering it along its leading dims, each of at most ~_DUMMY_SLAB_ELEMS elements (t itself when
+    small)."""
+    if t.dim() == 0 or t.numel() <= _DUMMY_SLAB_ELEMS:
+        yield t
+        return
+    row = t[0].numel()
+    if row > _DUMMY_SLAB_ELEMS:                                                 # one row is too big: split it
+        for i in range(t.shape[0]):
+            yield from _slabs(t[i])
+        return
+    step = _DUMMY_SLAB_ELEMS // row
+    for i in range(0, t.shape[0], step):
+        yield t[i:i + step]
+
+
 def fp8_dummy_pair(weight: nn.Parameter, scale: nn.Parameter, fan_in: int, *, on_done=None) -> None:
     """Give an e4m3 weight and its fp32 block scales a `dummy_init(param, gen)` that yields W ~ N(0, 1/fan_in).
 
@@ -158,8 +179,9 @@ def fp8_dummy_pair(weight: nn.Parameter, scale: nn.Parameter, fan_in: int, *, on
 
     @torch.no_grad()
     def init(_p, gen):
-        q = torch.randn(weight.shape, generator=gen, device=weight.device) * amp
-        weight.data.copy_(q.clamp(-448.0, 448.0).to(weight.dtype))
+        for w in _slabs(weight.data):                                           # bounded fp32 temporaries
+            q = torch.randn(w.shape, generator=gen, device=w.device).mul_(amp).clamp_(-448.0, 448.0)
+            w.copy_(q)
         scale.data.fill_(fan_in ** -0.5 / amp)
         if on_done is not None:
             on_done()
@@ -173,8 +195,8 @@ def mxfp4_dummy_pair(weight: nn.Parameter, scale: nn.Parameter, fan_in: int, *, 
 
     @torch.no_grad()
     def init(_p, gen):
-        weight.data.copy_(torch.randint(0, 256, weight.shape, generator=gen, device=weight.device,
-                                        dtype=torch.int32).to(torch.uint8))
+        for w in _slabs(weight.data):                                           # bounded int32 temporaries
+            w.copy_(torch.randint(0, 256, w.shape, generator=gen, device=w.device, dtype=torch.int32))
         scale.data.fill_(127 + exp)
         if on_done is not None:
             on_done()

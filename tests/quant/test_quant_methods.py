@@ -388,3 +388,31 @@ def test_dummy_init_keeps_padding_zero(padded_backend, fmt):
             assert bool((raw[mask] == want).all()), name
         if name in ("w13_weight", "w2_weight"):
             assert bool((raw[~mask] != raw[~mask][0]).any()), name      # the real region got random values
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_dummy_init_draws_big_tensors_in_bounded_slabs(monkeypatch, fmt):
+    """A GLM-5 expert tensor drawn whole needs 4x its size in temporaries (the slice-6l model then overflows an
+    80 GB card): the payload is drawn in slabs, every element is still drawn, and the scales are set."""
+    from glm_ray.quant import runtime
+    monkeypatch.setattr(runtime, "_DUMMY_SLAB_ELEMS", 1000)
+    seen: list[int] = []
+    real = torch.randn if fmt == "fp8" else torch.randint
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        seen.append(out.numel())
+        return out
+    monkeypatch.setattr(torch, "randn" if fmt == "fp8" else "randint", spy)
+    w = torch.nn.Parameter(torch.zeros(6, 40, 64, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.uint8),
+                           requires_grad=False)
+    s = torch.nn.Parameter(torch.zeros(6, 1, 1, dtype=torch.float32 if fmt == "fp8" else torch.uint8),
+                           requires_grad=False)
+    (runtime.fp8_dummy_pair if fmt == "fp8" else runtime.mxfp4_dummy_pair)(w, s, 64)
+    w.dummy_init(w, torch.Generator().manual_seed(0))
+    assert sum(seen) == w.numel() and max(seen) <= 1000 and len(seen) > 1
+    raw = w.data.view(torch.uint8).flatten()
+    assert bool((raw.view(-1, 64) != 0).any(dim=1).all())      # no slab left undrawn (every 64-row drawn)
+    if fmt == "fp8":
+        x = w.data.float() * s.data                              # W ~ N(0, 1/fan_in)
+        assert abs(x.std().item() * 64 ** 0.5 - 1.0) < 0.05 and bool((s.data == 64 ** -0.5 / 32).all())
