@@ -214,12 +214,15 @@ class MLAAttention(nn.Module):
     def _absorbed(self, q, kv_cache, selection, group: AttnGroup):
         """Fold W_UK into the query, attend in latent space against the one shared latent KV head
         (MQA: the `mla_decode` kernel op), unfold W_UV from the output (decode)."""
-        q_nope, q_pe = q[..., :self.dn], q[..., self.dn:]                       # [T, h, dn], [T, h, dr]
         q_abs = q.new_empty(q.shape[0], self.h, self.r + self.dr)               # [T, h, r+dr]
+        # a decode group beside a prefill chunk owns a span of the step's rows: fold only those (the op reads
+        # only the group's rows; a 2048-token chunk's rows would cost a [h, 2k, dn] x [h, dn, r] bmm per layer)
+        a, b = group.row_span if group.row_span is not None and group.q_index.shape[1] == 1 else (0, q.shape[0])
+        q_nope, q_pe = q[a:b, :, :self.dn], q[a:b, :, self.dn:]                 # [Tg, h, dn], [Tg, h, dr]
         # W_UK folded straight into the first r dims (cuBLAS writes the strided rows), q_pe copied beside:
-        # one small copy instead of a cat of the whole [T, h, r+dr]
-        torch.bmm(q_nope.transpose(0, 1), self.w_kc.to(q_nope.dtype), out=q_abs[..., :self.r].transpose(0, 1))
-        q_abs[..., self.r:] = q_pe
+        # one small copy instead of a cat of the whole [Tg, h, r+dr]
+        torch.bmm(q_nope.transpose(0, 1), self.w_kc.to(q_nope.dtype), out=q_abs[a:b, :, :self.r].transpose(0, 1))
+        q_abs[a:b, :, self.r:] = q_pe
         o_lat = kernels.ops().mla_decode(q_abs, kv_cache, group, selection,
                                          kv_lora_rank=self.r, scale=self.scale, max_bytes=_ATTN_BYTES)   # [Tg, h, r]
         o = o_lat.new_empty(o_lat.shape[0], self.h, self.dv)                    # [Tg, h, dv] contiguous: o_proj
