@@ -21,7 +21,7 @@ if [ "${ENGINE:-0}" = 1 ]; then
     --kv-cache-memory-gb 24 --warmup-groups 1 --json $OUT/engine_gsp.jsonl > $OUT/engine_gsp.log 2>&1
   grep "^concurrency\|^C=\|identical" $OUT/engine_gsp.log >> $S
   timeout 90 python3 scripts/profile_step.py $MDIR --load-format dummy --batch 15 --prefix 2048 --prefill 128 \
-    --joining 1 --kv-cache-gb 8 --rows 30 > $OUT/profile_mixed.txt 2>&1
+    --joining 1 --kv-cache-gb 8 --rows 30 --cprofile 40 > $OUT/profile_mixed.txt 2>&1
   grep -E "^steps:|launches|Self C" $OUT/profile_mixed.txt | head -5 >> $S
 fi
 if [ "${AB:-1}" = 1 ]; then

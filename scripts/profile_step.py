@@ -10,6 +10,8 @@ joining a busy server meets it); with --prefix P its first P tokens were compute
 (prefix cache), so only the N-token tail is prefilled. --joining J: J such requests join in the same step, each
 with its own cached prefix (issue #22's served mixed steps: ~4 tails of 128 tokens over 2k prefixes beside ~12
 decodes). Each profiled step's host split (schedule / execute / update) is printed beside its wall time.
+--cprofile ROWS: then one more such step under cProfile (no torch profiler), its Python time by function — which
+of the host's launches and bookkeeping a host-bound step spends its time in.
 """
 import argparse
 import logging
@@ -32,6 +34,9 @@ p.add_argument("--prefill", type=int, default=0, help="prompt tokens (past --pre
 p.add_argument("--prefix", type=int, default=0, help="its prompt tokens already in the prefix cache")
 p.add_argument("--joining", type=int, default=1, help="requests joining in the same step, each its own prefix")
 p.add_argument("--kv-cache-gb", type=float, default=1.0)
+p.add_argument("--cprofile", type=int, default=0, metavar="ROWS",
+               help="then the same joining step again (new tails on the same prefixes) under cProfile: the host's "
+                    "Python time by function (ROWS rows by self time, then by cumulative time)")
 p.add_argument("--log-compiles", action="store_true",
                help="log every Triton compile from start-up on (the kernel warm-up's and the first request's too)")
 a = p.parse_args()
@@ -84,3 +89,22 @@ print("steps:", [round(s.step_s * 1e3, 2) for s in list(eng.step_history)[-n_ste
 for s in list(eng.step_history)[-n_steps:]:    # the host's share of each profiled step
     print(f"  step of {s.num_tokens} tokens ({s.num_prefill_tokens} prompt): wall {1e3 * s.step_s:.2f} ms = schedule "
           f"{1e3 * s.schedule_s:.2f} + execute {1e3 * s.execute_s:.2f} + update {1e3 * s.update_s:.2f} (host calls)")
+if a.cprofile and a.prefill:                   # the host's Python time of the same kind of step, by function
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+    for _ in range(70):                        # the profiled requests leave (max_tokens 64); the batch goes on
+        eng.step()
+    for j, p in enumerate(prefixes):
+        eng.add_request(f"again{j}", p + torch.randint(10, 1000, (a.prefill,), generator=g).tolist(), greedy)
+    prof_py = cProfile.Profile()
+    prof_py.enable()
+    for _ in range(n_steps):
+        eng.step()
+    if a.device == "cuda":
+        torch.cuda.synchronize()
+    prof_py.disable()
+    print("cProfile steps:", [round(s.step_s * 1e3, 2) for s in list(eng.step_history)[-n_steps:]], "ms")
+    st = pstats.Stats(prof_py)
+    st.sort_stats("tottime").print_stats(a.cprofile)
+    st.sort_stats("cumulative").print_stats(a.cprofile)
+
