@@ -139,6 +139,11 @@ SIDE_STREAM_TOKENS: EnvVar[int] = EnvVar(
     "graph, as sglang's alt_stream): MoE shared experts beside the router and routed experts, MLA's cache "
     "writes (latent row, index keys) and, in decode steps that score, the indexer's queries + top-k beside the "
     "query path; the same results; 0 = off (H200, glm5-flash-31b served step B=1 1k: 5.82 -> 5.07 ms)", "int")
+ABSORB_PREFILL_TOKENS: EnvVar[int] = EnvVar(
+    "GLM_RAY_ABSORB_PREFILL_TOKENS", _nonneg_int, 256, "a prefill chunk of at most this many tokens over a cached "
+    "context at least as long (a prefix-cache hit's tail, a chunked prompt's later chunk) attends in the absorbed "
+    "form as one-query rows of the step's decode group, instead of expanding its whole context with kv_b_proj in a "
+    "prefill group of its own (forward_batch._attention_units); pure-attention models only; 0 = off", "int")
 CUDA_INDEXER_TOPK: EnvVar[str] = EnvVar(
     "GLM_RAY_CUDA_INDEXER_TOPK", _choice("triton", "torch"), "triton", "cuda backend: top-k of the DSA indexer's "
     "decode path: the multi-program Triton radix select (kernels/cuda/topk.py) or torch.topk")
@@ -177,7 +182,8 @@ LOG_LEVEL: EnvVar[str] = EnvVar(
 
 ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_THREADS, ORCHESTRATION,
                            TIME_COLLECTIVES, STEP_TIMELINE, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
-                           CUDA_MOE_DECODE_PAIRS, CUDA_MOE_PREFILL_ROWS, SIDE_STREAM_TOKENS, CUDA_INDEXER_TOPK,
+                           CUDA_MOE_DECODE_PAIRS, CUDA_MOE_PREFILL_ROWS, SIDE_STREAM_TOKENS, ABSORB_PREFILL_TOKENS,
+                           CUDA_INDEXER_TOPK,
                            LOG_TRITON_COMPILES, KERNEL_WARMUP, STEP_TIMEOUT_S, FAULT_INJECTION,
                            TEST_FORCED_OUTPUT, GRAMMAR_THREADS, GRAMMAR_CACHE_MB, LOG_STATS_INTERVAL_S, LOG_LEVEL)
 

@@ -119,7 +119,7 @@ class ForwardBatch:
 
 def build_forward_batch(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                         block_size: int, device: torch.device | str, mla_mode: str = "auto",
-                        state_slots: list[int] | None = None) -> ForwardBatch:
+                        state_slots: list[int] | None = None, absorb_tokens: int = 0) -> ForwardBatch:
     """Host-side construction from per-sequence lengths: vectorized numpy per step (no per-token Python,
     no torch dispatch per small op), then every array of the step in one host -> device copy (`stage`).
 
@@ -127,6 +127,11 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
     mla_mode: "auto" -> absorbed for the decode group, naive for the prefill group; "naive" /
     "absorbed" force one form for both (tests, A/B).
     state_slots[i]: recurrent-state cache row of sequence i (hybrid models; default 0..B-1).
+    absorb_tokens (mla_mode "auto"; 0 = off; pure-attention models only: a recurrent state is per sequence): a
+    prefill chunk of at most this many tokens over a cached context at least as long (a prefix-cache hit's tail,
+    a chunked prompt's later chunk) joins the decode group as one-query rows — row i attends to the sequence's
+    first `context - query + i + 1` positions through the sequence's block table — instead of expanding its
+    whole context with kv_b_proj in a prefill group of its own (`_attention_units`).
     """
     B = len(query_lens)
     ql = np.asarray(query_lens, dtype=np.int64)                              # [B]
@@ -141,11 +146,13 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
     positions = (cl - ql - starts)[tok_seq] + np.arange(tok_seq.shape[0])   # [T]
     slot_mapping = bt[tok_seq, positions // block_size] * block_size + positions % block_size   # [T]
     slots = np.asarray(state_slots if state_slots is not None else range(B), dtype=np.int64)   # [B]
-    parts = _partition(query_lens, context_lens)
+    seq, uq, ucl, ustart = _attention_units(ql, cl, starts, absorb_tokens if mla_mode == "auto" else 0)
+    parts = _partition(uq.tolist(), ucl.tolist())
     per_group = []                              # each group's 7 AttnGroup arrays + state slots + state fresh
     for idx, _ in parts:
         idx = np.asarray(idx, dtype=np.int64)
-        per_group.append([*_group(ql[idx], cl[idx], starts[idx], bt[idx]), slots[idx], cl[idx] == ql[idx]])
+        u = seq[idx]                                                         # the units' sequences
+        per_group.append([*_group(uq[idx], ucl[idx], ustart[idx], bt[u]), slots[u], ucl[idx] == uq[idx]])
     dev = iter(stage([positions, slot_mapping, *itertools.chain.from_iterable(per_group)], torch.device(device)))
     positions_d, slot_mapping_d = next(dev), next(dev)
     groups = []
@@ -156,6 +163,27 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
                                 state_fresh=d[8], row_span=_span(h[0])))
     return ForwardBatch(positions=positions_d, slot_mapping=slot_mapping_d, groups=tuple(groups),
                         max_context_len=int(cl.max()))
+
+
+def _attention_units(ql: np.ndarray, cl: np.ndarray, starts: np.ndarray, absorb_tokens: int):
+    """The step's attention units (numpy, [U] each): (sequence, query len, context len, first row in T). A unit is
+    a whole sequence, except that a prefill chunk of 2..absorb_tokens tokens over at least as many cached ones
+    becomes one unit per token: query len 1 and the causal context of that token — the absorbed (latent MQA) form
+    then costs ~h * (2r + dr) FLOPs per query and key, against the naive form's expansion of the whole context
+    through kv_b_proj (r * h * (dn + dv) per key) plus h * (dn + dr + dv) per query and key: at every GLM-5 head
+    count the absorbed form is cheaper below ~400 queries per chunk."""
+    B = ql.shape[0]
+    seq = np.arange(B)
+    absorb = (ql > 1) & (ql <= absorb_tokens) & (cl - ql >= ql) if absorb_tokens > 1 else np.zeros(B, dtype=bool)
+    if not absorb.any():
+        return seq, ql, cl, starts
+    reps = np.where(absorb, ql, 1)                                           # [B] units of each sequence
+    seq = np.repeat(seq, reps)                                               # [U]
+    k = np.arange(seq.shape[0]) - (np.cumsum(reps) - reps)[seq]              # [U] the unit's token in its chunk
+    row = absorb[seq]                                                        # [U] a one-token unit of a chunk
+    uq = np.where(row, 1, ql[seq])
+    ucl = np.where(row, cl[seq] - ql[seq] + k + 1, cl[seq])
+    return seq, uq, ucl, starts[seq] + k
 
 
 def _span(token_index: np.ndarray) -> tuple[int, int] | None:

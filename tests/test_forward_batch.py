@@ -171,3 +171,33 @@ def test_stage_packs_every_array_into_one_buffer():
     assert len({t.untyped_storage().data_ptr() for t in out}) == 1
     base = out[0].untyped_storage().data_ptr()                   # (a device buffer's base is allocator-aligned)
     assert all((t.data_ptr() - base) % ALIGN == 0 for t in out if t.numel())
+
+
+def test_short_chunks_over_a_cached_context_become_one_query_rows():
+    """GLM_RAY_ABSORB_PREFILL_TOKENS: a chunk of <= absorb_tokens tokens over at least as many cached ones joins
+    the decode group, one row per token, each row's context its own causal prefix through its sequence's block
+    table; a fresh prompt and a longer chunk stay naive prefill groups; forced modes never absorb."""
+    bs = 16
+    qlens = [1, 6, 40, 5, 300]                      # decode | tail over 90 cached | fresh | tail of 5 over 3 | long
+    clens = [33, 96, 40, 8, 700]
+    tables = _tables(clens, bs)
+    b = build_forward_batch(qlens, clens, tables, bs, torch.device("cpu"), absorb_tokens=256)
+    dec, *pre = b.groups
+    assert dec.mla_mode == "absorbed" and dec.q_index.shape == (7, 1)            # the decode + 6 rows of seq 1
+    assert sorted(dec.token_index.tolist()) == [0, 1, 2, 3, 4, 5, 6]
+    assert [g.mla_mode for g in pre] == ["naive"] * len(pre)
+    assert sorted(torch.cat([g.token_index for g in b.groups]).tolist()) == list(range(sum(qlens)))
+    assert sorted(q for g in pre for q in g.query_lens.tolist()) == [5, 40, 300]   # 5 new over 3 cached: naive
+    ctx = dict(zip(dec.token_index.tolist(), dec.context_lens.tolist()))
+    assert ctx == {0: 33, 1: 91, 2: 92, 3: 93, 4: 94, 5: 95, 6: 96}              # token i of the tail: 90 + i + 1
+    for row, t in enumerate(dec.token_index.tolist()):
+        want = tables[0] if t == 0 else tables[1]
+        assert dec.block_table[row, :len(want)].tolist() == want
+        assert int(dec.causal[row, 0].sum()) == ctx[t]                         # attends to its causal prefix
+        assert int(b.positions[t]) == ctx[t] - 1
+    # the same rows without absorbing: one decode + two prefill buckets' worth of the same tokens
+    plain = build_forward_batch(qlens, clens, tables, bs, torch.device("cpu"))
+    assert plain.groups[0].q_index.shape == (1, 1)
+    assert torch.equal(plain.slot_mapping, b.slot_mapping) and torch.equal(plain.positions, b.positions)
+    forced = build_forward_batch(qlens, clens, tables, bs, torch.device("cpu"), mla_mode="naive", absorb_tokens=256)
+    assert forced.groups[0].q_index.shape == (1, 1)

@@ -113,6 +113,9 @@ class ModelRunner:
             model_cfg, (num_blocks + scratch) * self.block_size, cfg.scheduler.max_num_seqs + scratch,
             cfg.parallel.tensor_parallel_size, device)
         self.requests: dict[str, ReqState] = {}
+        # short prefill chunks over a cached context attend in the absorbed form (forward_batch._attention_units);
+        # not with recurrent states (per sequence, not per row) nor a pooled-key indexer (GLM-5.3-Flash)
+        self.absorb_tokens = 0 if (self.state_caches or model_cfg.index_kpool) else envs.ABSORB_PREFILL_TOKENS.get()
         self.eos = model_cfg.eos_token_ids
         self.faults = FaultInjector.from_env()                                 # None outside reliability tests
         self.timeline = StepTimeline(device) if envs.STEP_TIMELINE.get() else None   # measurement only
@@ -230,7 +233,7 @@ class ModelRunner:
                     ids[patch[0]] = patch[1]
                 batch = build_forward_batch(qlens, [s.start_pos + len(s.token_ids) for s in seqs], tables,
                                             self.block_size, self.device, self.cfg.mla_mode,
-                                            [s.state_slot for s in seqs])
+                                            [s.state_slot for s in seqs], self.absorb_tokens)
                 t1 = time.perf_counter()
                 if self.pieces is not None and self.pieces.fits(len(flat)):
                     self.num_piecewise_steps += 1

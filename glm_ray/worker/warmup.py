@@ -8,7 +8,8 @@ first users' steps: seconds of TTFT. Here each rank runs, before graph capture, 
 shaped like those paths (the same sequence on every rank, so a TP group's collectives pair up):
 
 1. a fresh prompt one block longer than `index_topk` (its last queries select: sparse prefill);
-2. a one-block chunk after that prompt (a cached prefix);
+2. a one-block chunk after that prompt (a cached prefix), with GLM_RAY_ABSORB_PREFILL_TOKENS in both MLA forms
+   (absorbed one-query rows, and the naive prefill a longer chunk takes);
 3. a mixed step: that sequence decoding one token (context past index_topk) beside a fresh one-block prompt;
 4. fresh prompts of 8 and 16 blocks: mid-size prefills, whose rows per expert pick the grouped MoE's other
    tile classes (e.g. 512 tokens: 32 rows per expert at 64 experts x top-4; 1024: at 256 x top-8) and, from
@@ -66,14 +67,17 @@ def warm_up(runner, num_blocks: int, max_len: int) -> int:
         logger.info("kernel warm-up skipped: the KV cache or max_model_len is too small for it")
         return 0
     t0 = time.perf_counter()
-    for qlens, clens, tables in plan:
+    # the cached-prefix chunk (step 2) in both MLA forms when short chunks are absorbed: longer ones stay naive
+    absorbs = [(step, absorb) for step in plan
+               for absorb in ((runner.absorb_tokens, 0) if step is plan[1] and runner.absorb_tokens else (runner.absorb_tokens,))]
+    for (qlens, clens, tables), absorb in absorbs:
         ids = (torch.arange(sum(qlens)) % 97 + 3).to(runner.device)                     # [T]
         batch = build_forward_batch(qlens, clens, tables, runner.block_size, runner.device, runner.cfg.mla_mode,
-                                    list(range(len(qlens))))
+                                    list(range(len(qlens))), absorb)
         hidden = runner.model(ids, batch, runner.kv_caches, runner.index_caches, runner.state_caches)   # [T, D]
         ends = torch.tensor(qlens, device=runner.device).cumsum(0) - 1
         runner.model.compute_logits(hidden[ends])                                        # [B, V]
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    logger.info("kernel warm-up: %d eager steps in %.1f s", len(plan), time.perf_counter() - t0)
-    return len(plan)
+    logger.info("kernel warm-up: %d eager steps in %.1f s", len(absorbs), time.perf_counter() - t0)
+    return len(absorbs)

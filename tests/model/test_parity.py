@@ -113,13 +113,16 @@ def test_greedy_64_tokens_equal_transformers_generate(oracle_dir):
     assert ours == ref
 
 
-def test_indexer_query_chunks_and_mixed_steps_match_transformers(oracle_dir, monkeypatch):
+@pytest.mark.parametrize("absorb", [0, 16], ids=["naive-chunks", "absorbed-chunks"])
+def test_indexer_query_chunks_and_mixed_steps_match_transformers(oracle_dir, monkeypatch, absorb):
     """The indexer scores tiles (bounded memory at long context): with a 1-byte budget every query
     row is its own tile and keys come in tiles of index_topk whose top-k are merged, and a 48-token
-    prompt prefilled in 16-token chunks next to decoding requests (mixed steps: an absorbed decode
-    group + a naive prefill group) still matches the oracle."""
+    prompt prefilled in 16-token chunks next to decoding requests still matches the oracle — mixed steps
+    of an absorbed decode group + a naive prefill group (GLM_RAY_ABSORB_PREFILL_TOKENS=0), or with the later
+    chunks as one-query rows of the decode group (16)."""
     import glm_ray.layers.indexer as indexer
     monkeypatch.setattr(indexer, "_SCORE_BYTES", 1)
+    monkeypatch.setenv("GLM_RAY_ABSORB_PREFILL_TOKENS", str(absorb))
     _generate_and_check(oracle_dir, (9, 48, 21), seed=5, max_tokens=10, max_num_batched_tokens=16)
 
 
