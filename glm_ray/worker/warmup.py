@@ -8,8 +8,9 @@ first users' steps: seconds of TTFT. Here each rank runs, before graph capture, 
 shaped like those paths (the same sequence on every rank, so a TP group's collectives pair up):
 
 1. a fresh prompt one block longer than `index_topk` (its last queries select: sparse prefill);
-2. a one-block chunk after that prompt (a cached prefix), with GLM_RAY_ABSORB_PREFILL_TOKENS in both MLA forms
-   (absorbed one-query rows, and the naive prefill a longer chunk takes);
+2. a one-block chunk after that prompt (a cached prefix); with GLM_RAY_ABSORB_PREFILL_TOKENS in both MLA forms
+   (absorbed one-query rows, and the naive prefill a longer chunk takes), plus a chunk of that many rows
+   (`warmup_steps`);
 3. a mixed step: that sequence decoding one token (context past index_topk) beside a fresh one-block prompt;
 4. fresh prompts of 8 and 16 blocks: mid-size prefills, whose rows per expert pick the grouped MoE's other
    tile classes (e.g. 512 tokens: 32 rows per expert at 64 experts x top-4; 1024: at 256 x top-8) and, from
@@ -53,6 +54,24 @@ def warmup_plan(index_topk: int | None, block_size: int, max_len: int, num_block
     return plan
 
 
+def warmup_steps(plan: list[tuple], absorb_tokens: int, block_size: int, max_len: int,
+                 num_blocks: int) -> list[tuple[tuple, int]]:
+    """The plan's steps with the `absorb_tokens` each builds its batch with. Where short chunks over a cached
+    context are absorbed (forward_batch._attention_units), the cached-prefix chunk runs in both MLA forms (the
+    naive prefill a longer chunk takes, too), and a chunk of `absorb_tokens` rows over sequence A's prompt runs
+    absorbed: many one-query rows take the decode kernels' wide-grid variants (the indexer's multi-tile
+    programs, the unsplit MLA decode) that a served decode batch may never reach."""
+    steps = [(step, absorb_tokens) for step in plan]
+    if absorb_tokens > 1 and plan:
+        long = plan[0][1][0]                                            # sequence A's prompt: the cached context
+        steps.insert(2, (plan[1], 0))
+        n = min(absorb_tokens, long)
+        nb = -(-(long + n) // block_size)
+        if long + n <= max_len and nb <= num_blocks and n > plan[1][0][0]:
+            steps.insert(3, (([n], [long + n], [list(range(nb))]), absorb_tokens))
+    return steps
+
+
 def enabled(device: torch.device) -> bool:
     mode = envs.KERNEL_WARMUP.get()
     return mode == "on" or (mode == "auto" and device.type == "cuda")
@@ -67,10 +86,8 @@ def warm_up(runner, num_blocks: int, max_len: int) -> int:
         logger.info("kernel warm-up skipped: the KV cache or max_model_len is too small for it")
         return 0
     t0 = time.perf_counter()
-    # the cached-prefix chunk (step 2) in both MLA forms when short chunks are absorbed: longer ones stay naive
-    absorbs = [(step, absorb) for step in plan
-               for absorb in ((runner.absorb_tokens, 0) if step is plan[1] and runner.absorb_tokens else (runner.absorb_tokens,))]
-    for (qlens, clens, tables), absorb in absorbs:
+    steps = warmup_steps(plan, runner.absorb_tokens, runner.block_size, max_len, num_blocks)
+    for (qlens, clens, tables), absorb in steps:
         ids = (torch.arange(sum(qlens)) % 97 + 3).to(runner.device)                     # [T]
         batch = build_forward_batch(qlens, clens, tables, runner.block_size, runner.device, runner.cfg.mla_mode,
                                     list(range(len(qlens))), absorb)
@@ -79,5 +96,5 @@ def warm_up(runner, num_blocks: int, max_len: int) -> int:
         runner.model.compute_logits(hidden[ends])                                        # [B, V]
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    logger.info("kernel warm-up: %d eager steps in %.1f s", len(absorbs), time.perf_counter() - t0)
-    return len(absorbs)
+    logger.info("kernel warm-up: %d eager steps in %.1f s", len(steps), time.perf_counter() - t0)
+    return len(steps)
