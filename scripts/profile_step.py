@@ -92,7 +92,7 @@ for s in list(eng.step_history)[-n_steps:]:    # the host's share of each profil
 if a.cprofile and a.prefill:                   # the host's Python time of the same kind of step, by function
     import cProfile  # noqa: PLC0415
     import pstats  # noqa: PLC0415
-    for _ in range(70):                        # the profiled requests leave (max_tokens 64); the batch goes on
+    for _ in range(4):                         # the joining request's first decodes; the batch still decodes
         eng.step()
     for j, p in enumerate(prefixes):
         eng.add_request(f"again{j}", p + torch.randint(10, 1000, (a.prefill,), generator=g).tolist(), greedy)
