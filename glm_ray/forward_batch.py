@@ -216,8 +216,10 @@ def _partition(query_lens: list[int], context_lens: list[int]) -> list[tuple[lis
     (not per token); homogeneous steps stay one group each."""
     dec = sorted((i for i, q in enumerate(query_lens) if q == 1), key=lambda i: -context_lens[i])
     pre = sorted((i for i, q in enumerate(query_lens) if q > 1), key=lambda i: -query_lens[i])
-    return ([(b, "absorbed") for b in _buckets(dec, query_lens, context_lens)]
-            + [(b, "naive") for b in _buckets(pre, query_lens, context_lens)])
+    # a bucket's members in step order: a group whose rows are consecutive in T gets a `row_span` (slices, not
+    # gathers, for its rows; e.g. decodes beside a cached tail's one-query rows)
+    return ([(sorted(b), "absorbed") for b in _buckets(dec, query_lens, context_lens)]
+            + [(sorted(b), "naive") for b in _buckets(pre, query_lens, context_lens)])
 
 
 def _buckets(order: list[int], query_lens: list[int], context_lens: list[int]) -> list[list[int]]:

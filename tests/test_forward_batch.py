@@ -85,12 +85,13 @@ def test_decode_groups_bound_context_padding():
 
 def test_rows_of_slices_a_row_span_and_gathers_otherwise():
     from dataclasses import replace
-    b = build_forward_batch([1, 1, 1], [5, 9, 3], [[0, 1], [2, 3, 4], [5]], 4, torch.device("cpu"))
-    g = b.groups[0]                                         # decodes sorted by context: rows 1, 0, 2
-    x = torch.arange(3 * 2.0).view(3, 2)
-    assert torch.equal(g.rows_of(x), x[g.q_index[:, 0]]) and g.q_index[:, 0].tolist() == [1, 0, 2]
+    b = build_forward_batch([1, 2, 1, 1], [5, 2, 9, 3], [[0, 1], [6], [2, 3, 4], [5]], 4, torch.device("cpu"))
+    g = b.groups[0]                                         # the decodes, rows 0, 3, 4: around a prompt's rows
+    x = torch.arange(5 * 2.0).view(5, 2)
+    assert g.row_span is None and g.q_index[:, 0].tolist() == [0, 3, 4]
+    assert torch.equal(g.rows_of(x), x[[0, 3, 4]])
     span = replace(g, q_index=torch.arange(3)[:, None], row_span=(0, 3))
-    assert torch.equal(span.rows_of(x), x) and span.rows_of(x).data_ptr() == x.data_ptr()   # a view
+    assert torch.equal(span.rows_of(x), x[:3]) and span.rows_of(x).data_ptr() == x.data_ptr()   # a view
 
 
 def _oracle(qlens, clens, tables, bs):
@@ -201,3 +202,14 @@ def test_short_chunks_over_a_cached_context_become_one_query_rows():
     assert torch.equal(plain.slot_mapping, b.slot_mapping) and torch.equal(plain.positions, b.positions)
     forced = build_forward_batch(qlens, clens, tables, bs, torch.device("cpu"), mla_mode="naive", absorb_tokens=256)
     assert forced.groups[0].q_index.shape == (1, 1)
+
+
+def test_a_cached_tail_beside_decodes_is_one_slice_of_the_step():
+    """Decodes then a cached request's tail (the scheduler's order): the absorbed group's rows are T[0:B+q] in
+    order, so its per-row gathers and scatters are slices (`row_span`)."""
+    bs = 16
+    qlens, clens = [1, 1, 1, 8], [120, 110, 105, 100]
+    b = build_forward_batch(qlens, clens, _tables(clens, bs), bs, torch.device("cpu"), absorb_tokens=256)
+    (g,) = b.groups
+    assert g.row_span == (0, 11) and g.token_index.tolist() == list(range(11))
+    assert g.context_lens.tolist() == [120, 110, 105] + list(range(93, 101))
