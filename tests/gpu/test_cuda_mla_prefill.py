@@ -44,14 +44,21 @@ def cuda_ops():
     kernels.init_backend("torch")
 
 
-def make_step(query_lens, context_lens, h, dn, dr, dv, seed=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
+def make_tables(context_lens, g) -> list[list[int]]:
+    """Random disjoint block tables for sequences of these lengths (one spare block)."""
     need = [-(-c // BS) for c in context_lens]
     perm = torch.randperm(sum(need) + 1, generator=g, device=DEV).tolist()
     tables, at = [], 0
     for n in need:                                                           # test setup, per sequence
         tables.append(perm[at:at + n])
         at += n
+    return tables
+
+
+def make_step(query_lens, context_lens, h, dn, dr, dv, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    tables = make_tables(context_lens, g)
+    need = [len(t) for t in tables]
     fb = build_forward_batch(query_lens, context_lens, tables, BS, DEV)
     T = sum(query_lens)
     q = torch.randn(T, h, dn + dr, generator=g, device=DEV).to(BF16)
@@ -126,3 +133,35 @@ def test_key_chunks(cuda_ops, sparse):
     for gi, grp in enumerate(groups):
         check(cuda_ops, q, cache, w, grp, topk_selection(grp, seed=gi) if sparse else None, GLM5["dv"],
               max_bytes=64 << 20)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_absorbed_tail_equals_naive(cuda_ops, sparse):
+    """GLM_RAY_ABSORB_PREFILL_TOKENS: a 128-token tail over 2,176 cached positions, as one-query rows of the decode
+    group (W_UK folded into the query, the `mla_decode` kernel, W_UV unfolded), equals the same tail as a naive
+    prefill group (the fp32 reference of `mla_prefill`), beside two decodes, dense and with per-token top-2048
+    selections (the same positions in both layouts). Tolerance as `check`, per sequence."""
+    h, dn, dr, dv = 32, GLM5["dn"], GLM5["dr"], GLM5["dv"]
+    qlens, clens = [1, 1, 128], [1500, 3000, 2304]
+    q, cache, w, naive_groups = make_step(qlens, clens, h, dn, dr, dv, seed=77)
+    tables = make_tables(clens, torch.Generator(device=DEV).manual_seed(77))       # make_step's tables
+    (absorbed,) = build_forward_batch(qlens, clens, tables, BS, DEV, absorb_tokens=256).groups
+    assert absorbed.q_index.shape == (130, 1) and absorbed.row_span == (0, 130)
+    tail = next(g for g in naive_groups if g.mla_mode == "naive")
+    sel_abs = sel_naive = None
+    if sparse:
+        sel_abs = topk_selection(absorbed, seed=5)                                  # [130, 1, k]
+        sel_naive = sel_abs[2:, 0][None]                                            # [1, 128, k]: the tail's rows
+    scale = (dn + dr) ** -0.5
+    wk = w.view(h, dn + dv, R)
+    w_kc, w_vc = wk[:, :dn], wk[:, dn:].transpose(1, 2)                             # [h, dn, R], [h, R, dv]
+    q_abs = torch.cat([torch.einsum("thd,hdr->thr", q[..., :dn].float(), w_kc.float()).to(BF16), q[..., dn:]], -1)
+    o_lat = cuda_ops.mla_decode(q_abs, cache, absorbed, sel_abs, kv_lora_rank=R, scale=scale)   # [130, h, R]
+    assert not cuda_ops.mla_decode.__self__.fallbacks, dict(cuda_ops.mla_decode.__self__.fallbacks)
+    out = torch.einsum("thr,hrd->thd", o_lat.float(), w_vc.float())               # [130, h, dv]
+    ref = ref_mla_prefill(q.float(), cache.float(), tail, sel_naive, lambda x: F.linear(x.to(BF16), w).float(),
+                          kv_lora_rank=R, v_head_dim=dv, scale=scale)               # [128, h, dv]
+    d = out[2:] - ref
+    rel, mx = float(d.norm() / ref.norm()), float(d.abs().max() / ref.abs().max())
+    assert rel <= 1e-2 and mx <= 2e-2, (rel, mx)
+
