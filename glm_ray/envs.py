@@ -140,10 +140,11 @@ SIDE_STREAM_TOKENS: EnvVar[int] = EnvVar(
     "writes (latent row, index keys) and, in decode steps that score, the indexer's queries + top-k beside the "
     "query path; the same results; 0 = off (H200, glm5-flash-31b served step B=1 1k: 5.82 -> 5.07 ms)", "int")
 ABSORB_PREFILL_TOKENS: EnvVar[int] = EnvVar(
-    "GLM_RAY_ABSORB_PREFILL_TOKENS", _nonneg_int, 256, "a prefill chunk of at most this many tokens over a cached "
+    "GLM_RAY_ABSORB_PREFILL_TOKENS", _nonneg_int, None, "a prefill chunk of at most this many tokens over a cached "
     "context at least as long (a prefix-cache hit's tail, a chunked prompt's later chunk) attends in the absorbed "
     "form as one-query rows of the step's decode group, instead of expanding its whole context with kv_b_proj in a "
-    "prefill group of its own (forward_batch._attention_units); pure-attention models only; 0 = off", "int")
+    "prefill group of its own (forward_batch._attention_units); pure-attention models only; 0 = off; unset: the "
+    "kernel backend's choice (cuda 256, torch and aiter 0)", "int")
 CUDA_INDEXER_TOPK: EnvVar[str] = EnvVar(
     "GLM_RAY_CUDA_INDEXER_TOPK", _choice("triton", "torch"), "triton", "cuda backend: top-k of the DSA indexer's "
     "decode path: the multi-program Triton radix select (kernels/cuda/topk.py) or torch.topk")

@@ -102,3 +102,10 @@ class KernelOps:
     # weight * rms_norm(x.float()).to(x.dtype); with a residual -> (y of s, s = x + residual in x's dtype, the
     # new residual stream) — kernels/torch_ref/norm.py. x / residual may be strided row views ([..., D] accepted)
     rms_norm: Callable | None = None
+    # --- policy the backend owns (a judgement of its own kernels, not an op) ---
+    # a prefill chunk of at most this many tokens over a cached context at least as long runs as one-query rows
+    # of the step's decode group (forward_batch._attention_units) — worth it where the absorbed decode kernel
+    # reads a shared context once per tile of rows (cuda: the H100's mixed step 51.8 -> 39.1 ms); the torch
+    # reference gathers every row's whole context (CPU tiny model: 28 -> 38 ms), so 0 there.
+    # GLM_RAY_ABSORB_PREFILL_TOKENS overrides it.
+    absorb_prefill_tokens: int = 0

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from glm_ray import envs
+from glm_ray import envs, kernels
 from glm_ray.config import EngineConfig, ModelConfig
 from glm_ray.distributed.parallel_state import broadcast, collective_timer, tp_rank, tp_size
 from glm_ray.engine.contract import ModelRunnerOutput, SchedulerOutput, StepFailure
@@ -115,7 +115,9 @@ class ModelRunner:
         self.requests: dict[str, ReqState] = {}
         # short prefill chunks over a cached context attend in the absorbed form (forward_batch._attention_units);
         # not with recurrent states (per sequence, not per row) nor a pooled-key indexer (GLM-5.3-Flash)
-        self.absorb_tokens = 0 if (self.state_caches or model_cfg.index_kpool) else envs.ABSORB_PREFILL_TOKENS.get()
+        absorb = envs.ABSORB_PREFILL_TOKENS.get()
+        self.absorb_tokens = 0 if (self.state_caches or model_cfg.index_kpool) else (
+            kernels.ops().absorb_prefill_tokens if absorb is None else absorb)
         self.eos = model_cfg.eos_token_ids
         self.faults = FaultInjector.from_env()                                 # None outside reliability tests
         self.timeline = StepTimeline(device) if envs.STEP_TIMELINE.get() else None   # measurement only

@@ -236,6 +236,17 @@ def test_outputs_equal_with_the_cache_on_and_off(tiny_dir, kw):
     assert kv.usage() == 0.0 and on[2].engine.scheduler.num_unfinished == 0
 
 
+def test_outputs_equal_with_absorbed_tails(tiny_dir, monkeypatch):
+    """As above with cached tails and later chunks attending as one-query decode rows (the cuda backend's
+    default, GLM_RAY_ABSORB_PREFILL_TOKENS; the torch backend keeps them naive)."""
+    monkeypatch.setenv("GLM_RAY_ABSORB_PREFILL_TOKENS", "256")
+    off = _served_twice(tiny_dir, False, max_num_batched_tokens=16)
+    on = _served_twice(tiny_dir, True, max_num_batched_tokens=16)
+    assert on[2].engine.executor.worker.runner.absorb_tokens == 256
+    _assert_same(on[0], off[0])
+    _assert_same(on[1], off[1])
+
+
 def test_a_cached_prefix_computes_only_its_tail(oracle_dir):
     llm = LLM(oracle_dir, dtype="float32", kv_cache_memory_bytes=32 << 20)
     sp = SamplingParams(max_tokens=1, temperature=0)

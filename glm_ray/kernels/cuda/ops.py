@@ -619,4 +619,4 @@ def make_ops(fp8_gemm: str | None = None):
                      mla_prefill=k.mla_prefill, indexer_topk=k.indexer_topk, moe_routing=k.moe_routing,
                      fp32_linear=k.fp32_linear, swiglu=k.swiglu,
                      rms_norm=k.rms_norm, rope_inplace=k.rope_inplace,
-                     mla_kv_write=k.mla_kv_write, indexer_key_write=k.indexer_key_write)
+                     mla_kv_write=k.mla_kv_write, indexer_key_write=k.indexer_key_write, absorb_prefill_tokens=256)
