@@ -131,7 +131,8 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
     prefill chunk of at most this many tokens over a cached context at least as long (a prefix-cache hit's tail,
     a chunked prompt's later chunk) joins the decode group as one-query rows — row i attends to the sequence's
     first `context - query + i + 1` positions through the sequence's block table — instead of expanding its
-    whole context with kv_b_proj in a prefill group of its own (`_attention_units`).
+    whole context with kv_b_proj in a prefill group of its own (`_attention_units`), while the decode group's
+    [rows, max context] fp32 index scores stay within ABSORB_SCORE_BYTES.
     """
     B = len(query_lens)
     ql = np.asarray(query_lens, dtype=np.int64)                              # [B]
@@ -165,6 +166,10 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
                         max_context_len=int(cl.max()))
 
 
+# the absorbed rows' index scores, [rows, max context] fp32, stay within the prefill indexer's per-call bound
+ABSORB_SCORE_BYTES = 256 * 2**20
+
+
 def _attention_units(ql: np.ndarray, cl: np.ndarray, starts: np.ndarray, absorb_tokens: int):
     """The step's attention units (numpy, [U] each): (sequence, query len, context len, first row in T). A unit is
     a whole sequence, except that a prefill chunk of 2..absorb_tokens tokens over at least as many cached ones
@@ -175,6 +180,18 @@ def _attention_units(ql: np.ndarray, cl: np.ndarray, starts: np.ndarray, absorb_
     B = ql.shape[0]
     seq = np.arange(B)
     absorb = (ql > 1) & (ql <= absorb_tokens) & (cl - ql >= ql) if absorb_tokens > 1 else np.zeros(B, dtype=bool)
+    if not absorb.any():
+        return seq, ql, cl, starts
+    # bound the decode group's [rows, max context] fp32 index scores (the decode indexer scores a row's whole
+    # context in one pass) by what one prefill indexer call may hold: later candidates stay naive prefill chunks
+    dec = ql == 1
+    rows, kmax = int(dec.sum()), int(cl[dec].max()) if dec.any() else 0
+    for i in np.flatnonzero(absorb):
+        r, k = rows + int(ql[i]), max(kmax, int(cl[i]))
+        if r * k * 4 > ABSORB_SCORE_BYTES:
+            absorb[i] = False
+        else:
+            rows, kmax = r, k
     if not absorb.any():
         return seq, ql, cl, starts
     reps = np.where(absorb, ql, 1)                                           # [B] units of each sequence

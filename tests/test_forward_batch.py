@@ -213,3 +213,16 @@ def test_a_cached_tail_beside_decodes_is_one_slice_of_the_step():
     (g,) = b.groups
     assert g.row_span == (0, 11) and g.token_index.tolist() == list(range(11))
     assert g.context_lens.tolist() == [120, 110, 105] + list(range(93, 101))
+
+
+def test_absorbed_rows_keep_the_index_scores_bounded(monkeypatch):
+    """Absorbed rows score their whole contexts in the decode indexer ([rows, max context] fp32): chunks join the
+    decode group only while that stays within ABSORB_SCORE_BYTES; the rest stay naive prefill chunks."""
+    import glm_ray.forward_batch as fb
+    bs = 16
+    qlens, clens = [1, 100, 100, 100], [400, 1000, 1000, 1000]
+    monkeypatch.setattr(fb, "ABSORB_SCORE_BYTES", 201 * 1000 * 4)            # the decode + two tails fit
+    b = build_forward_batch(qlens, clens, _tables(clens, bs), bs, torch.device("cpu"), absorb_tokens=256)
+    dec, *pre = b.groups
+    assert dec.q_index.shape == (201, 1) and [g.query_lens.tolist() for g in pre] == [[100]]
+    assert sorted(torch.cat([g.token_index for g in b.groups]).tolist()) == list(range(301))
