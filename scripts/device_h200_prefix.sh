@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # H200 pass of issue #22's measures, one device call (<= 590 s); needs xgrammar importable, and Ray for parts 1-2
 # (docs/performance.md, "Reproducing on a GPU machine without a package index"):
-#   0. (ENGINE=1) bench.shared_prefix: the same workload inside one engine, cache on vs off in one process
+#   0. (ENGINE=1) bench.shared_prefix: the same workload inside one engine, cache on vs off in one process, each
+#      with cached tails as naive prefill groups and as absorbed decode rows (--absorb 0 256)
 #      (the engine's own TTFT, no Ray / HTTP; ENGINE_GROUPS groups, default 32), and scripts/profile_step.py on
 #      the mixed step a cached request's tail runs in (15 decodes + one 2048-cached + 128-new request)
 #   1. scripts/prefix_cache_ab.sh on glm5-flash-31b FP8 dummy (MODES, default "on"; "on off" for the A/B),
@@ -18,7 +19,7 @@ if [ "${ENGINE:-0}" = 1 ]; then
   echo "== bench.shared_prefix (engine only), C=16" >> $S
   timeout ${ENGINE_LIM:-300} python3 -u -m glm_ray.bench.shared_prefix glm5-flash-31b --quant fp8 --device cuda \
     --dtype bfloat16 $GSP --gsp-num-groups ${ENGINE_GROUPS:-32} --concurrency 16 --max-model-len 4096 \
-    --kv-cache-memory-gb 24 --warmup-groups 1 --json $OUT/engine_gsp.jsonl > $OUT/engine_gsp.log 2>&1
+    --kv-cache-memory-gb 24 --warmup-groups 1 --absorb 0 256 --json $OUT/engine_gsp.jsonl > $OUT/engine_gsp.log 2>&1
   grep "^concurrency\|^C=\|identical" $OUT/engine_gsp.log >> $S
   timeout 90 python3 scripts/profile_step.py $MDIR --load-format dummy --batch 15 --prefix 2048 --prefill 128 \
     --joining 1 --kv-cache-gb 8 --rows 30 --cprofile 40 > $OUT/profile_mixed.txt 2>&1

@@ -39,7 +39,7 @@ from glm_ray.engine.engine_core import EngineCore
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.llm import LLM
 
-COLS = ("concurrency", "mode", "rep", "hit_rate", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "hit_median_ttft_ms", "queued_ms",
+COLS = ("concurrency", "mode", "rep", "absorb", "hit_rate", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "hit_median_ttft_ms", "queued_ms",
         "steps_to_first", "output_tok_s", "decode_step_ms", "mixed_step_ms", "mixed_tokens")
 
 
@@ -103,11 +103,15 @@ def run_workload(engine: EngineCore, rows: list[DatasetRow], concurrency: int) -
 
 def run(model: str | None, *, modes=("on", "off"), repeats: int = 1, concurrency=(4,), num_groups: int = 8,
         prompts_per_group: int = 8, system_prompt_len: int = 1024, question_len: int = 32, output_len: int = 16,
-        warmup_groups: int = 2, seed: int = 0, **engine_kw) -> tuple[list[dict], dict]:
-    """Every (concurrency, mode) row (modes alternating over `repeats` rounds per concurrency) and the
-    output comparison (first run of each mode)."""
+        warmup_groups: int = 2, seed: int = 0, absorb: tuple[int | None, ...] = (None,),
+        **engine_kw) -> tuple[list[dict], dict]:
+    """Every (concurrency, mode, absorb) row (modes alternating over `repeats` rounds per concurrency, each
+    round's modes under each `absorb` setting in turn: the runner's absorbed-tail threshold, None = the
+    backend's, for an A/B in one process) and the output comparison (first run of each mode)."""
     llm = LLM(model, **engine_kw)
     eng = llm.engine
+    runner = getattr(getattr(eng.executor, "worker", None), "runner", None)   # the in-process runner (TP 1)
+    default_absorb = runner.absorb_tokens if runner is not None else None
     V = eng.model_cfg.vocab_size
     shape = dict(prompts_per_group=prompts_per_group, system_prompt_len=system_prompt_len,
                  question_len=question_len, output_len=output_len, vocab_size=V)
@@ -120,11 +124,14 @@ def run(model: str | None, *, modes=("on", "off"), repeats: int = 1, concurrency
     order = [m for r in range(repeats) for m in (modes if r % 2 == 0 else modes[::-1])]
     results, outs = [], {}
     for c in concurrency:
-        for rep, mode in enumerate(order):
+        for rep, (mode, ab) in enumerate((m, ab) for m in order for ab in absorb):
+            if runner is not None:
+                runner.absorb_tokens = default_absorb if ab is None else ab
             in_effect = eng.set_prefix_caching(mode == "on")   # also forgets the unheld cached blocks
             summary, out = run_workload(eng, rows, c)
             results.append({"concurrency": c, "mode": mode if in_effect or mode == "off" else "on(n/a)",
-                            "rep": rep, **summary})
+                            "rep": rep, **({"absorb": runner.absorb_tokens} if runner is not None else {}),
+                            **summary})
             print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in results[-1].items()),
                   flush=True)                                  # as it comes: a long run cut short keeps its rows
             outs.setdefault(mode, out)
@@ -171,6 +178,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="rounds of --modes (order alternates)")
     p.add_argument("--warmup-groups", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--absorb", type=int, nargs="+", default=None, metavar="N",
+                   help="run every mode under each of these absorbed-tail thresholds in turn, in this one process "
+                        "(the runner's GLM_RAY_ABSORB_PREFILL_TOKENS; 0 = cached tails as naive prefill groups)")
     p.add_argument("--json", default=None, help="also append the rows to this JSONL file")
     a = p.parse_args(argv)
     tmp = None
@@ -184,6 +194,7 @@ def main(argv=None) -> int:
                          num_groups=a.gsp_num_groups, prompts_per_group=a.gsp_prompts_per_group,
                          system_prompt_len=a.gsp_system_prompt_len, question_len=a.gsp_question_len,
                          output_len=a.gsp_output_len, warmup_groups=a.warmup_groups, seed=a.seed,
+                         absorb=tuple(a.absorb) if a.absorb else (None,),
                          device=a.device, dtype=a.dtype, load_format=load_format, max_num_seqs=a.max_num_seqs,
                          max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens,
                          kv_cache_memory_bytes=kv, enforce_eager=a.enforce_eager)
@@ -192,9 +203,11 @@ def main(argv=None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     print_rows(rows, COLS, width=14)
     for c in a.concurrency:
-        at_c = [r for r in rows if r["concurrency"] == c]
-        if {"on", "off"} <= {r["mode"] for r in at_c}:
-            print(f"C={c}: " + "  ".join(f"{k} {v:.2f}" for k, v in ratios(at_c).items()))
+        for ab in dict.fromkeys(r.get("absorb") for r in rows):
+            at_c = [r for r in rows if r["concurrency"] == c and r.get("absorb") == ab]
+            if {"on", "off"} <= {r["mode"] for r in at_c}:
+                tag = f" absorb={ab}" if a.absorb else ""
+                print(f"C={c}{tag}: " + "  ".join(f"{k} {v:.2f}" for k, v in ratios(at_c).items()))
     if same:
         print(f"greedy outputs identical with the cache on and off: {same['identical']} / {same['rows']} prompts")
     append_rows(a.json, rows)

@@ -40,3 +40,18 @@ def test_outputs_are_compared_per_prompt():
                                    dtype="float32", device="cpu")
     assert same == {"rows": 6, "identical": 6}
     assert rows[0]["hit_rate"] > 0 and rows[1]["hit_rate"] == 0.0
+
+
+def test_absorbed_tails_ab_in_one_engine(tmp_path, capsys):
+    """--absorb 0 16: every mode under each absorbed-tail threshold in turn on one engine (the runner's
+    setting switched between runs), ratios per threshold; the cache hits are the same under both."""
+    out = tmp_path / "rows.jsonl"
+    assert shared_prefix.main(["--dtype", "float32", "--device", "cpu", "--gsp-num-groups", "2",
+                               "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "32",
+                               "--gsp-question-len", "8", "--gsp-output-len", "3", "--concurrency", "1",
+                               "--absorb", "0", "16", "--warmup-groups", "0", "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["mode"], r["absorb"]) for r in rows] == [("on", 0), ("on", 16), ("off", 0), ("off", 16)]
+    assert rows[0]["hit_rate"] == rows[1]["hit_rate"] > 0
+    text = capsys.readouterr().out
+    assert "C=1 absorb=0: mean_ttft_off_over_on" in text and "C=1 absorb=16: mean_ttft_off_over_on" in text
