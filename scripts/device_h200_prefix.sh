@@ -17,7 +17,7 @@ MDIR=$(python3 -c "from pathlib import Path; from glm_ray.bench.decode import mo
 GSP="--gsp-num-groups 32 --gsp-prompts-per-group 16 --gsp-system-prompt-len 2048 --gsp-question-len 128 --gsp-output-len 128"
 if [ "${ENGINE:-0}" = 1 ]; then
   echo "== bench.shared_prefix (engine only), C=16" >> $S
-  timeout ${ENGINE_LIM:-300} python3 -u -m glm_ray.bench.shared_prefix glm5-flash-31b --quant fp8 --device cuda \
+  timeout ${ENGINE_LIM:-450} python3 -u -m glm_ray.bench.shared_prefix glm5-flash-31b --quant fp8 --device cuda \
     --dtype bfloat16 $GSP --gsp-num-groups ${ENGINE_GROUPS:-32} --concurrency 16 --max-model-len 4096 \
     --kv-cache-memory-gb 24 --warmup-groups 1 --absorb 0 256 --json $OUT/engine_gsp.jsonl > $OUT/engine_gsp.log 2>&1
   grep "^concurrency\|^C=\|identical" $OUT/engine_gsp.log >> $S
