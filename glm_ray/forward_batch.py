@@ -179,9 +179,7 @@ def _attention_units(ql: np.ndarray, cl: np.ndarray, starts: np.ndarray, absorb_
     count the absorbed form is cheaper below ~400 queries per chunk."""
     B = ql.shape[0]
     seq = np.arange(B)
-    absorb = (ql > 1) & (ql <= absorb_tokens) & (cl - ql >= ql) if absorb_tokens > 1 else np.zeros(B, dtype=bool)
-    if not absorb.any():
-        return seq, ql, cl, starts
+    absorb = (ql > 1) & (ql <= absorb_tokens) & (cl - ql >= ql)                # [B] candidate chunks
     # bound the decode group's [rows, max context] fp32 index scores (the decode indexer scores a row's whole
     # context in one pass) by what one prefill indexer call may hold: later candidates stay naive prefill chunks
     dec = ql == 1

@@ -8,9 +8,9 @@ first users' steps: seconds of TTFT. Here each rank runs, before graph capture, 
 shaped like those paths (the same sequence on every rank, so a TP group's collectives pair up):
 
 1. a fresh prompt one block longer than `index_topk` (its last queries select: sparse prefill);
-2. a one-block chunk after that prompt (a cached prefix); with GLM_RAY_ABSORB_PREFILL_TOKENS in both MLA forms
-   (absorbed one-query rows, and the naive prefill a longer chunk takes), plus a chunk of that many rows
-   (`warmup_steps`);
+2. a one-block chunk after that prompt (a cached prefix); where the runner absorbs short chunks (its
+   `absorb_tokens`: the backend's threshold or GLM_RAY_ABSORB_PREFILL_TOKENS) in both MLA forms (absorbed
+   one-query rows, and the naive prefill a longer chunk takes), plus a chunk of that many rows (`warmup_steps`);
 3. a mixed step: that sequence decoding one token (context past index_topk) beside a fresh one-block prompt;
 4. fresh prompts of 8 and 16 blocks: mid-size prefills, whose rows per expert pick the grouped MoE's other
    tile classes (e.g. 512 tokens: 32 rows per expert at 64 experts x top-4; 1024: at 256 x top-8) and, from
