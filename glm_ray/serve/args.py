@@ -108,8 +108,8 @@ class ServeArgs:
                "flag is not given)")
     fp8_proj_min_tokens: int = setting(
         512, "with --fp8-proj-gemm: forward batches of more than this many tokens take the FP8 GEMM (H200 "
-             "step A/B: FP8 pays from ~2k tokens at GLM-5 shapes; at glm5-flash-31b's the crossover lies "
-             "between 4096 and 8192, so use 8192 there)")
+             "step A/B, 2026-12-06: at GLM-5 shapes FP8 pays from 1,024 tokens (-2.2%) to 8,192 (-6.4%); at "
+             "glm5-flash-31b's it costs +18-19% at 1-2k tokens and pays from 4,096, so use 4096 there)")
     enforce_eager: bool = setting(
         False, "run every step eagerly (no CUDA graphs; decode and piecewise prefill graphs are on by default "
                "on NVIDIA GPUs)")
