@@ -7,6 +7,14 @@
 #   PART=flash bash scripts/device_h200_fp8proj.sh   # served flash-31b, one rep per leg, on then off (~6 min)
 # legs1 + legs2 give 4 reps per flag from two server lifetimes each, in ABBA order; compare locally:
 #   python -m glm_ray.bench.cli --compare <off files concatenated> <on files concatenated>
+# Issue #20 measure 2 (PR B's protocol, 3 server lifetimes per flag in the order off/on/on/off/off/on, split over
+# two device calls of ~6 min each; output PRB_OUT=256 tokens, not PR B's 1024, to fit the device budget):
+#   PART=prb1 bash scripts/device_h200_fp8proj.sh   # lifetimes 1-3: off on on
+#   PART=prb2 bash scripts/device_h200_fp8proj.sh   # lifetimes 4-6: off off on (prints the table of all six)
+# Each lifetime writes $OUT/prb_<n>_<flag>.jsonl; the table: per C, each lifetime's mean TTFT / ITL, the spread
+# between the lifetimes of one flag and the on-vs-off delta of the flags' means (the target: |delta| > spread).
+# prb2 reads the first call's files from PRB_PREV (paths in the carried tree, e.g. the committed measurement dir).
+# A CPU check of the script: PART=prb1 PRB_MODEL=glm5-tiny DEVICE=cpu DTYPE=float32 CONC=4 PRB_OUT=8 OUT=/tmp/prb
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"
 PART=${PART:-step}; S=$OUT/summary_$PART.txt
@@ -29,5 +37,16 @@ case $PART in
       cat $OUT/$F/${M}_tp1_fp8$F.jsonl >> $OUT/${PART}_fp8$F.jsonl 2>/dev/null
       tail -c 20000 $OUT/$F/serve_*.log > $OUT/${PART}_serve_fp8$F.log 2>/dev/null; rm -rf $OUT/$F
     done ;;
+  prb1|prb2)
+    N0=1; ORDER="off on on"; [ $PART = prb2 ] && { N0=4; ORDER="off off on"; }
+    n=$N0
+    for F in $ORDER; do
+      OUT=$OUT/l$n MODEL=${PRB_MODEL:-glm5-slice-6l} TP=1 IN=1024 OUT_LEN=${PRB_OUT:-256} REPS=1 FLAGS=$F timeout ${PRB_LIM:-170} \
+          bash scripts/ab_fp8_proj.sh 2>&1 | grep -E "^ +[0-9]|concurrency|rror" >> $S
+      cp $OUT/l$n/${PRB_MODEL:-glm5-slice-6l}_tp1_fp8$F.jsonl $OUT/prb_${n}_$F.jsonl 2>/dev/null
+      tail -c 8000 $OUT/l$n/serve_*.log > $OUT/prb_${n}_serve_$F.log 2>/dev/null; rm -rf $OUT/l$n
+      n=$((n + 1))
+    done
+    python3 -m glm_ray.bench.lifetimes ${PRB_PREV:-} $OUT/prb_*.jsonl >> $S 2>&1 ;;
 esac
 cat $S

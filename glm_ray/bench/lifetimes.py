@@ -1,0 +1,113 @@
+"""A served A/B whose legs ran in several server lifetimes: is the flag's effect larger than the spread
+between lifetimes of one setting? (issue #20 measure 2, origin PR B's protocol: 3 lifetimes per flag,
+interleaved off/on/on/off/off/on, `glm-ray bench` at C = 4..64 in each.)
+
+    python -m glm_ray.bench.lifetimes prb_1_off.jsonl prb_2_on.jsonl ... [--metrics mean_ttft_ms mean_itl_ms]
+
+Each file is one server lifetime (`glm-ray bench --result-file` rows; several repetitions in a file are
+averaged first); its setting is the rows' `label` (e.g. `fp8_proj=on`). Per concurrency and metric the table
+gives every lifetime's value in file order, then per setting the mean over its lifetimes and the spread
+(max - min over them), and the delta of the second setting's mean against the first's in percent. `clear`
+says whether |delta| exceeds the larger of the two spreads — the issue's criterion for an attributable
+effect (with one lifetime per setting there is no spread and the verdict is "n/a").
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import fmean
+
+from glm_ray.bench.report import load_jsonl, render
+
+METRICS = ("mean_ttft_ms", "mean_itl_ms")
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    name: str                                # the file's stem
+    label: str                               # the setting (the rows' `label`)
+    values: dict[tuple[int, str], float]     # (concurrency, metric) -> mean over the file's repetitions
+
+
+def load_lifetime(path: str | Path, metrics: tuple[str, ...] = METRICS) -> Lifetime:
+    """One lifetime's file -> per (C, metric) the mean over its repetitions. All rows must carry one label."""
+    rows = load_jsonl(path)
+    labels = {r.get("label") for r in rows}
+    if len(labels) != 1 or None in labels:
+        raise ValueError(f"{path}: one lifetime carries one setting label, found {sorted(map(str, labels))}")
+    acc: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for r in rows:
+        for m in metrics:
+            if r.get(m) is not None:
+                acc[(int(r["max_concurrency"]), m)].append(float(r[m]))
+    return Lifetime(Path(path).stem, labels.pop(), {k: fmean(v) for k, v in acc.items()})
+
+
+@dataclass(frozen=True)
+class Row:
+    concurrency: int
+    metric: str
+    per_lifetime: list[float | None]         # in the order the lifetimes were given
+    means: dict[str, float]                  # setting -> mean over its lifetimes
+    spreads: dict[str, float]                # setting -> max - min over its lifetimes (0 with one)
+    delta_pct: float | None                  # second setting's mean vs the first's
+    clear: bool | None                       # |delta| > the larger spread (None: a setting has one lifetime)
+
+
+def compare(lifetimes: list[Lifetime], metrics: tuple[str, ...] = METRICS) -> tuple[list[str], list[Row]]:
+    """The settings in order of first appearance (exactly two) and a Row per (C, metric) every lifetime has."""
+    settings = list(dict.fromkeys(lt.label for lt in lifetimes))
+    if len(settings) != 2:
+        raise ValueError(f"need lifetimes of exactly two settings, got {settings}")
+    keys = sorted(set.intersection(*(set(lt.values) for lt in lifetimes)), key=lambda k: (k[0], metrics.index(k[1])))
+    rows = []
+    for c, m in keys:
+        by = {s: [lt.values[(c, m)] for lt in lifetimes if lt.label == s] for s in settings}
+        means = {s: fmean(v) for s, v in by.items()}
+        spreads = {s: max(v) - min(v) for s, v in by.items()}
+        a, b = means[settings[0]], means[settings[1]]
+        delta = (b - a) / a * 100.0 if a else None
+        several = all(len(v) > 1 for v in by.values())
+        clear = (abs(b - a) > max(spreads.values())) if several else None
+        rows.append(Row(c, m, [lt.values.get((c, m)) for lt in lifetimes], means, spreads, delta, clear))
+    return settings, rows
+
+
+def format_rows(lifetimes: list[Lifetime], settings: list[str], rows: list[Row], fmt: str = "text") -> str:
+    header = ["C", "metric"] + [f"{lt.name} ({lt.label})" for lt in lifetimes]
+    for s in settings:
+        header += [f"{s} mean", f"{s} spread"]
+    header += ["delta %", "clear"]
+    body = []
+    for r in rows:
+        line = [str(r.concurrency), r.metric] + [f"{v:.2f}" if v is not None else "-" for v in r.per_lifetime]
+        for s in settings:
+            line += [f"{r.means[s]:.2f}", f"{r.spreads[s]:.2f}"]
+        line += [f"{r.delta_pct:+.2f}" if r.delta_pct is not None else "-",
+                 {True: "yes", False: "no", None: "n/a"}[r.clear]]
+        body.append(line)
+    return render(header, body, fmt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="+", help="one glm-ray bench result file per server lifetime")
+    p.add_argument("--metrics", nargs="+", default=list(METRICS))
+    p.add_argument("--format", choices=["text", "markdown"], default="text")
+    args = p.parse_args(argv)
+    metrics = tuple(args.metrics)
+    try:
+        lts = [load_lifetime(f, metrics) for f in args.files]
+        settings, rows = compare(lts, metrics)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_rows(lts, settings, rows, args.format))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
