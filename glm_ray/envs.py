@@ -174,7 +174,7 @@ GRAMMAR_CACHE_MB: EnvVar[int] = EnvVar(
     "for reuse (least recently used evicted)", "int")
 LOG_STATS_INTERVAL_S: EnvVar[float] = EnvVar(
     "GLM_RAY_LOG_STATS_INTERVAL_S", _nonneg_float, 10.0, "serving: seconds between the engine's stats lines "
-    "in the log (throughput, gauges, decode and prefill/mixed step medians, the TTFT inside the engine; "
+    "in the log (throughput, gauges, decode and prefill/mixed step medians, the TTFT and ITL inside the engine; "
     "engine/stats_log.py; vLLM: VLLM_LOG_STATS_INTERVAL) and the ingress's TTFT split lines (where the time to "
     "first token goes: ingress, Router, engine; serve/ttft_split.py); 0 = off", "float")
 LOG_LEVEL: EnvVar[str] = EnvVar(

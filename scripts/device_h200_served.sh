@@ -21,7 +21,7 @@ timeout ${BENCH_LIM:-200} python3 -m glm_ray.bench.cli --base-url http://127.0.0
    --tag sched=$SCHED --output-file $OUT/served_$SCHED.jsonl > $OUT/served_$SCHED.txt 2>&1; echo "bench rc=$?" >> $S
 grep -vE "INFO|WARNING" $OUT/served_$SCHED.txt | tail -40 >> $S
 echo "-- the engine's stats lines while serving (decode / prefill-mixed step medians: engine side of the ITL)" >> $S
-grep -o "engine: prompt.*" $OUT/serve.log | grep -v "generation 0.0 tok/s" | cut -c1-420 >> $S
+grep -o "engine: prompt.*" $OUT/serve.log | grep -v "generation 0.0 tok/s" | cut -c1-560 >> $S
 kill $SERVER 2>/dev/null; sleep 3; ray stop --force >/dev/null 2>&1; sleep 2
 echo "== offline ($SCHED)" >> $S
 timeout ${OFF_LIM:-200} python3 -m glm_ray.bench.offline "$MDIR" --load-format dummy --device cuda --dtype bfloat16 \

@@ -25,7 +25,7 @@ for mode in ${MODES:-on off}; do
   sleep 12       # one metrics export interval of Ray's, then the replica's prefix-cache counters
   curl -s 127.0.0.1:$((PORT + 1))/metrics | grep -E '^ray_glm_ray_prefix_cache_(queries|hits)_total' > $OUT/stats_$mode.prom
   # the engine's stats lines: its own TTFT (arrival at the engine -> first token) beside the client's
-  grep -o "engine: prompt.*" $OUT/serve_$mode.log | grep -v "generation 0.0 tok/s" | cut -c1-420 > $OUT/stats_lines_$mode.txt
+  grep -o "engine: prompt.*" $OUT/serve_$mode.log | grep -v "generation 0.0 tok/s" | cut -c1-560 > $OUT/stats_lines_$mode.txt
   # the ingress's TTFT split lines: where the time to first token went (ingress, Router, engine)
   grep -o "ingress: TTFT split.*\|router: event-loop lag.*" $OUT/serve_$mode.log | cut -c1-300 > $OUT/ttft_split_$mode.txt
   kill $server; wait $server 2>/dev/null; ray stop --force > /dev/null 2>&1; sleep 2

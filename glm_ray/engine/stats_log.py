@@ -7,7 +7,7 @@ last one:
     engine: prompt 4096.0 tok/s, generation 1830.2 tok/s | running 64, waiting 0, KV cache 12.3%,
     prefix cache hits 88.2% | 480 decode steps: 20.1 ms median at batch 64; 20 prefill/mixed steps:
     245.3 ms median, 2048 tokens | TTFT in the engine 61.0 ms median (queued 3.2 ms), 16 requests |
-    device 18.2 ms, gap 0.10 ms
+    ITL in the engine 24.9 ms mean (20.1 median), 28672 tokens | device 18.2 ms, gap 0.10 ms
 
 A step's time here is the wall time between two consecutive finished steps (what a streaming client's
 inter-token latency sees; under async scheduling the two overlap, so the sum of schedule / execute /
@@ -15,7 +15,12 @@ update is not it). "decode" steps are those where every scheduled token is one s
 (the CUDA-graph steps); every other step admits prompt tokens ("prefill/mixed", eager). `device` and
 `gap` appear when the step timeline is on (GLM_RAY_STEP_TIMELINE). "TTFT in the engine" covers the
 requests whose first token came in the window: from their arrival at the engine to that token (queued:
-to their first scheduling). It is how an operator tells a slow decode step from a slow consumer, and a
+to their first scheduling). "ITL in the engine" is the time between a request's consecutive tokens as the
+loop emits them (a step's emission time = when the loop finished it; a delta of n tokens splits its gap evenly, as
+the bench's sglang-native ITL does), over the tokens after each request's first emitted in the window: decode
+steps plus every prefill/mixed step that ran between them. So served ITL / this = what the path after the engine
+adds (issue #19's served-vs-engine ratio), and this / the decode step median = what interleaved prefills add.
+It is how an operator tells a slow decode step from a slow consumer, and a
 slow prefill from a slow path before the engine: served ITL or TTFT far above the medians here means the
 time is spent outside the engine (the ingress, the Router, Serve's streaming, the client).
 """
@@ -29,6 +34,7 @@ from glm_ray.engine.engine_core import EngineCore, StepStats
 from glm_ray.engine.outputs import TokenDelta
 
 logger = logging.getLogger(__name__)
+_STALE_S = 600.0        # a request id whose last token is older than this is forgotten at the next line
 
 
 class StatsLogger:
@@ -40,14 +46,25 @@ class StatsLogger:
         self._since = clock()
         self._generated = 0
         self._ttft: list[tuple[float, float]] = []     # (first token - arrival, first scheduled - arrival) s
+        self._last_emit: dict[str, float] = {}          # request id -> when the loop emitted its last token
+        self._itl: list[tuple[float, int]] = []         # (gap s, tokens it covers) of the window's deltas
         self._prefix = (engine.kv.prefix_queries, engine.kv.prefix_hits)
 
     def on_step(self, deltas: list[TokenDelta]) -> None:
         self._generated += sum(len(d.new_token_ids) for d in deltas)
+        now = self.clock() if deltas else 0.0
         for d in deltas:
             if d.first_token_time is not None:
                 sched = d.first_scheduled_time if d.first_scheduled_time is not None else d.first_token_time
                 self._ttft.append((d.first_token_time - d.arrival_time, sched - d.arrival_time))
+            n = len(d.new_token_ids)
+            if n:
+                last = self._last_emit.get(d.request_id)
+                if last is not None and d.first_token_time is None:
+                    self._itl.append((now - last, n))
+                self._last_emit[d.request_id] = now
+            if d.finished:
+                self._last_emit.pop(d.request_id, None)
 
     def maybe_log(self) -> str | None:
         """Log (and return) the line when an interval has passed and a step ran since the last one."""
@@ -60,7 +77,9 @@ class StatsLogger:
         line = self.line(steps, now - self._since) if steps else None
         if line:
             logger.info("%s", line)
-        self._since, self._generated, self._ttft = now, 0, []
+        self._since, self._generated, self._ttft, self._itl = now, 0, [], []
+        # a request that ended without a finished delta (cannot happen today) must not hold its entry forever
+        self._last_emit = {r: t for r, t in self._last_emit.items() if now - t < _STALE_S}
         self._prefix = (self.engine.kv.prefix_queries, self.engine.kv.prefix_hits)
         return line
 
@@ -86,6 +105,11 @@ class StatsLogger:
             parts.append(f"TTFT in the engine {1e3 * statistics.median(t for t, _ in self._ttft):.1f} ms median "
                          f"(queued {1e3 * statistics.median(q for _, q in self._ttft):.1f} ms), "
                          f"{len(self._ttft)} request{'s' if len(self._ttft) != 1 else ''}")
+        if self._itl:
+            tokens = sum(n for _, n in self._itl)
+            per_token = sorted(g / n for g, n in self._itl for _ in range(n))         # [tokens] s each
+            parts.append(f"ITL in the engine {1e3 * sum(g for g, _ in self._itl) / tokens:.1f} ms mean "
+                         f"({1e3 * statistics.median(per_token):.1f} median), {tokens} tokens")
         dev = [s.worker_timings["device"] for s in steps if "device" in s.worker_timings]
         if dev:
             gap = [s.worker_timings["gap"] for s in steps if "gap" in s.worker_timings]

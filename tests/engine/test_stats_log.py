@@ -67,3 +67,32 @@ def test_stats_line_counts_the_engines_steps(tiny_dir, caplog):
     clock.t += 10.0
     assert log.maybe_log() is None
     assert StatsLogger(eng, interval_s=0.0, clock=clock).maybe_log() is None
+
+
+def test_itl_in_the_engine_from_emission_times(tiny_dir):
+    """The line's "ITL in the engine": gaps between a request's consecutive emitted tokens (a delta of n tokens
+    splits its gap evenly), first tokens and finished requests excluded, the window's tokens only."""
+    from glm_ray.engine.outputs import TokenDelta
+    eng = LLM(tiny_dir, dtype="float32").engine
+    clock = _Clock()
+    log = StatsLogger(eng, interval_s=10.0, clock=clock)
+
+    def emit(t, *deltas):
+        clock.t = t
+        log.on_step(list(deltas))
+
+    emit(0.000, TokenDelta("a", [1], first_token_time=0.0))
+    emit(0.010, TokenDelta("a", [2]))
+    emit(0.020, TokenDelta("b", [1], first_token_time=0.02))
+    emit(0.030, TokenDelta("a", [3, 4]))                       # 20 ms over two tokens: 10 each
+    emit(0.050, TokenDelta("b", [2], finished=True))          # 30 ms
+    gaps_ms = [10.0, 10.0, 10.0, 30.0]                         # per token, by hand
+    line = log.line([], 10.0)
+    want = f"ITL in the engine {sum(gaps_ms) / len(gaps_ms):.1f} ms mean ({sorted(gaps_ms)[1]:.1f} median), 4 tokens"
+    assert want in line, line
+    emit(0.060, TokenDelta("b", [9], first_token_time=0.06))  # "b" finished: a new first token, no gap
+    assert "4 tokens" in log.line([], 10.0)
+    clock.t = 10.0
+    log.maybe_log()                                            # a new window: its gaps only
+    emit(10.5, TokenDelta("a", [5]))
+    assert f"ITL in the engine {1e3 * (10.5 - 0.030):.1f} ms mean" in log.line([], 10.0)
