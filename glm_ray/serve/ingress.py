@@ -97,7 +97,7 @@ from glm_ray.serve.responses import (
     sse,
 )
 from glm_ray.serve.tool_grammar import glm_tool_call_structured_outputs
-from glm_ray.serve.ttft_split import LoopLag, TTFTSplit
+from glm_ray.serve.ttft_split import Arrival, LoopLag, TTFTSplit
 from glm_ray.serve.ttft_split import split as split_ttft
 
 logger = logging.getLogger("glm_ray.serve.ingress")
@@ -395,18 +395,20 @@ class OpenAIIngress:
                 subs.append(sub)
         return subs
 
-    async def _parse(self, request: Request, model_cls):
+    async def _parse(self, request: Request, model_cls, arrival: Arrival):
         """The shared prologue of the generation endpoints: body -> request model, model name checked,
-        the engine's model info."""
-        req = parse_body(await read_body(request), model_cls)
+        the engine's model info. Stamps `arrival.body_read` (the TTFT split's "body" part)."""
+        body = await read_body(request)
+        arrival.body_read = time.monotonic()
+        req = parse_body(body, model_cls)
         self._check_model(req.model)
         return req, await self._info()
 
     async def _generate(self, req, base_id: str, prompts: list[tuple[Optional[str], list[int]]],
-                        params: list[SamplingParams], render_stream, render_full, received: float):
+                        params: list[SamplingParams], render_stream, render_full, arrival: Arrival):
         """Fan the choices out to the Router, then answer with SSE (`stream: true`) or one JSON body;
         however the response ends, unfinished sub-requests are aborted."""
-        fan = await self._start(self._make_subs(base_id, prompts, params), received)
+        fan = await self._start(self._make_subs(base_id, prompts, params), arrival)
         prompt_lens = [len(ids) for _, ids in prompts]
         if req.stream:
             return EventStream(render_stream(req, base_id, fan, prompt_lens), fan.close)
@@ -415,12 +417,13 @@ class OpenAIIngress:
         finally:
             fan.close()
 
-    async def _start(self, subs: list[SubRequest], received: float) -> Fanout:
+    async def _start(self, subs: list[SubRequest], arrival: Arrival) -> Fanout:
         if self._ttft.interval_s > 0:
             self._loop_lag.start()
             self._ttft.start()
         def on_first(s: SubRequest, d) -> None:     # the TTFT split line (serve/ttft_split.py)
-            self._ttft.add(split_ttft(received, s.called_at, time.monotonic(), d.ttft_parts))
+            self._ttft.add(split_ttft(arrival.received, s.called_at, time.monotonic(), d.ttft_parts,
+                                      body_read=arrival.body_read))
         fan = Fanout(self.router, subs, self._abort_in_background, on_first)
         try:
             fan.start()
@@ -525,13 +528,13 @@ class OpenAIIngress:
     @app.post("/v1/completions")
     @openai_errors("completion", auth=True)
     async def completions(self, request: Request):
-        received = time.monotonic()
-        req, info = await self._parse(request, CompletionRequest)
+        arrival = Arrival(time.monotonic())
+        req, info = await self._parse(request, CompletionRequest, arrival)
         max_model_len = int(info["max_model_len"])
         prompts = await self._completion_prompts(req, int(info.get("vocab_size") or 1 << 31))
         params = [self._params(req, len(ids), max_model_len, "prompt") for _, ids in prompts]
         return await self._generate(req, random_id("cmpl"), prompts, params, self._completion_stream,
-                                    self._completion_full, received)
+                                    self._completion_full, arrival)
 
     def _echo_text(self, s: SubRequest) -> str:
         if s.prompt_text is not None:
@@ -631,8 +634,8 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions")
     @openai_errors("chat", auth=True)
     async def chat_completions(self, request: Request):
-        received = time.monotonic()
-        req, info = await self._parse(request, ChatCompletionRequest)
+        arrival = Arrival(time.monotonic())
+        req, info = await self._parse(request, ChatCompletionRequest, arrival)
         tool_choice = req.tool_choice_spec()
         ids, text = await self._chat_prompt(req)
         sp = self._params(req, len(ids), int(info["max_model_len"]), "messages")
@@ -642,7 +645,7 @@ class OpenAIIngress:
                                        tool_choice)
         return await self._generate(req, random_id("chatcmpl"), [(None, ids)], [sp],
                                     functools.partial(self._chat_stream, new_parser=new_parser),
-                                    functools.partial(self._chat_full, new_parser=new_parser), received)
+                                    functools.partial(self._chat_full, new_parser=new_parser), arrival)
 
     async def _chat_full(self, req: ChatCompletionRequest, base_id: str, fan: Fanout,
                          prompt_lens: list[int], new_parser) -> JSONResponse:

@@ -10,7 +10,8 @@ Router's generate() entry -> first delta there. The ingress adds its own and log
     Router hops 3.4 | Router <-> engine hops 20.1 (add 12.0, out 8.0) | in the engine 125.3 (queued 0.2) |
     total at the ingress 150.0
 
-    before   the ingress handler's start -> the Router call (parse, tokenize, sampling parameters)
+    before   the ingress handler's start -> the Router call (parse, tokenize, sampling parameters); its
+             "body" part: -> the request body fully read (Serve's proxy hands the body over to the replica)
     ingress  ingress <-> Router: Serve's routing of the call + the first item's way back
     router   Router <-> engine: the add reaching the engine's loop + the step's output reaching the Router;
              when the engine runs on the Router's host (one monotonic clock) the two legs apart: "add" (the
@@ -33,6 +34,7 @@ import asyncio
 import logging
 import statistics
 import time
+from dataclasses import dataclass
 
 # Serve's replica logger: its handlers reach the replica's log file and the driver's stderr, where a
 # glm_ray.* logger's INFO lines in a Serve replica would not (the root logger there stays at WARNING)
@@ -41,9 +43,18 @@ logger = logging.getLogger("ray.serve")
 PARTS = ("before", "ingress", "router", "engine", "queued", "total")
 
 
-def split(t_received: float, t_call: float, t_first: float, inner: dict[str, float] | None) -> dict[str, float]:
-    """One request's parts (seconds) from the ingress's monotonic times (handler start, Router call, first delta)
-    and the inner parts the first delta carried ({"router": s, "engine": s, "queued": s}, each optional)."""
+@dataclass
+class Arrival:
+    """An HTTP request's times at the ingress (monotonic seconds): the handler's start and, once read, its body."""
+    received: float
+    body_read: float | None = None
+
+
+def split(t_received: float, t_call: float, t_first: float, inner: dict[str, float] | None,
+          body_read: float | None = None) -> dict[str, float]:
+    """One request's parts (seconds) from the ingress's monotonic times (handler start, Router call, first delta;
+    `body_read`: the body fully read, if known) and the inner parts the first delta carried ({"router": s,
+    "engine": s, "queued": s}, each optional)."""
     inner = inner or {}
     total, at_router = t_first - t_received, t_first - t_call
     router_s = min(inner.get("router", 0.0), at_router)        # no Router part: all of it is the hop
@@ -53,6 +64,8 @@ def split(t_received: float, t_call: float, t_first: float, inner: dict[str, flo
              "total": total}
     if "add" in inner and "out" in inner:
         parts["add"], parts["out"] = inner["add"], inner["out"]
+    if body_read is not None:
+        parts["body"] = min(max(body_read - t_received, 0.0), parts["before"])
     return parts
 
 
@@ -125,11 +138,13 @@ class TTFTSplit:
     def line(rows: list[dict[str, float]]) -> str:
         med = {k: 1e3 * statistics.median(r[k] for r in rows) for k in PARTS}
         legs = [r for r in rows if "add" in r]
+        bodies = [r["body"] for r in rows if "body" in r]
+        before = f"{med['before']:.1f}" + (f" (body {1e3 * statistics.median(bodies):.1f})" if bodies else "")
         router = f"{med['router']:.1f}"
         if legs:
             router += (f" (add {1e3 * statistics.median(r['add'] for r in legs):.1f}, "
                        f"out {1e3 * statistics.median(r['out'] for r in legs):.1f})")
         return (f"ingress: TTFT split over {len(rows)} requests (median ms): in the ingress before the Router "
-                f"call {med['before']:.1f} | ingress <-> Router hops {med['ingress']:.1f} | Router <-> engine "
+                f"call {before} | ingress <-> Router hops {med['ingress']:.1f} | Router <-> engine "
                 f"hops {router} | in the engine {med['engine']:.1f} (queued {med['queued']:.1f}) | "
                 f"total at the ingress {med['total']:.1f}")

@@ -147,3 +147,14 @@ def test_router_stamps_the_first_delta_and_the_fanout_reports_it():
             pass
     asyncio.run(run())
     assert len(seen) == 1 and seen[0][1] is first and seen[0][0] > 0
+
+
+def test_body_part_of_before():
+    """The body's read (Serve's proxy -> replica hand-over) is a part of "before", shown beside it."""
+    p = split(10.000, 10.020, 10.200, {"router": 0.1, "engine": 0.05}, body_read=10.015)
+    assert abs(p["body"] - 0.015) < 1e-9 and abs(p["before"] - 0.020) < 1e-9
+    assert "body" not in split(10.0, 10.02, 10.2, None)
+    rows = [split(0.0, 0.010 * k, 0.1 * k, None, body_read=0.004 * k) for k in (1, 2, 3)]
+    line = TTFTSplit.line(rows)
+    assert "before the Router call 20.0 (body 8.0) |" in line, line          # medians: k = 2
+    assert "(body" not in TTFTSplit.line([split(0.0, 0.01, 0.1, None)])
