@@ -28,5 +28,5 @@ timeout ${OFF_LIM:-200} python3 -m glm_ray.bench.offline "$MDIR" --load-format d
    --batch ${CS:-1 16 64} --input-len 1024 --output-len 256 --scheduling $SCHED --kv-cache-memory-bytes $((24 << 30)) \
    --json $OUT/offline_$SCHED.jsonl > $OUT/offline_$SCHED.log 2>&1; echo "offline rc=$?" >> $S
 grep -vE "INFO|WARNING|shards" $OUT/offline_$SCHED.log | tail -8 >> $S
-python3 "$(dirname "$0")/served_ratio.py" $OUT/served_$SCHED.jsonl $OUT/offline_$SCHED.jsonl >> $S 2>&1
+python3 "$(dirname "$0")/served_ratio.py" $OUT/served_$SCHED.jsonl $OUT/offline_$SCHED.jsonl $OUT/serve.log >> $S 2>&1
 cat $S

@@ -16,4 +16,4 @@ glm-ray bench --base-url http://127.0.0.1:$PORT --dataset-name random --random-i
 kill $server; wait $server 2>/dev/null; ray stop --force > /dev/null 2>&1; sleep 2
 python -m glm_ray.bench.offline $MODEL $SERVE_FLAGS --batch $CS --input-len $IN --output-len $OUTL \
    --json $OUT/offline.jsonl > $OUT/offline.txt 2>&1
-python3 "$(dirname "$0")/served_ratio.py" $OUT/served.jsonl $OUT/offline.jsonl
+python3 "$(dirname "$0")/served_ratio.py" $OUT/served.jsonl $OUT/offline.jsonl $OUT/serve.log
