@@ -107,7 +107,7 @@ def stage_fns(path: str, tk, mp, x, w13, s13, w2, s2, tw, ids, cfgs) -> dict:
         return {"quant": lambda: mp.sorted_act_quant(x, al.sorted_ids, al.num_post_pad, k, em),
                 "up": lambda: mp._up(aq, a_s, w13, s13, inter, inter_s, al, d, i, c1, ue8m0=False, limit=None),
                 "down": lambda: mp._down(inter, inter_s, w2, s2, out_pairs, twf, al, p, d, i, c2),
-                "comb": lambda: tk.combine_pairs(out_pairs, t, k, x.dtype)}
+                "comb": lambda: mp.combine_pairs(out_pairs, t, k, x.dtype)}
     a, a_s = tk.act_quant_fp8(x)
     inter = torch.empty(p, i, dtype=fp8, device=dev)
     inter_s = torch.empty(p, cdiv(i, 128), device=dev)
@@ -115,7 +115,7 @@ def stage_fns(path: str, tk, mp, x, w13, s13, w2, s2, tw, ids, cfgs) -> dict:
             "up": lambda: tk._up(a, a_s, w13, s13, inter, inter_s, al, p, k, d, i, i, s13.shape[1] // 2, c1,
                                  w_mode=tk.W_FP8, out_mode=tk.OUT_FP8),
             "down": lambda: tk._down(inter, inter_s, w2, s2, out_pairs, twf, al, p, d, i, c2, w_mode=tk.W_FP8),
-            "comb": lambda: tk.combine_pairs(out_pairs, t, k, x.dtype)}
+            "comb": lambda: tk._combine(out_pairs, t, k, d, x.dtype)}
 
 
 def _error(e: Exception) -> str:
