@@ -20,8 +20,7 @@ w13 scales) in five launches:
    [IG, EM] scales, still in sorted order.
 4. `_down_kernel`: inter (contiguous rows) x w2[e]^T, promoted the same way, times the routing weight, stored
    per pair (a row scatter) in x.dtype.
-5. `combine_pairs` (triton_kernels.py, shared with the grouped path): out[t] = sum_k out_pairs[t*K + k] in fp32
-   (deterministic: no atomics), in x.dtype, one launch.
+5. `_combine_kernel`: out[t] = sum_k out_pairs[t*K + k] in fp32 (deterministic: no atomics), in x.dtype.
 
 The scale product is formed before it meets the dot result: a thread's accumulator elements share one row pair
 and one 128-column half, so ptxas keeps two products a thread and each element costs one FFMA, where the old
@@ -56,7 +55,6 @@ from glm_ray.kernels.cuda.triton_kernels import (
     _fp8_group_quant,
     _store_pair_rows,
     _swizzle,
-    combine_pairs,
 )
 
 GROUP = 128                      # 1x128 activation groups, 128x128 weight blocks
@@ -208,6 +206,21 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, tw_ptr, sorted_ptr, eid_pt
     _store_pair_rows(o_ptr, acc, pair.to(tl.int64), pair < P, offs_n, n_ok, stride_om, tw_ptr, True)
 
 
+@triton.jit(do_not_specialize=['T'])   # sizes that change per step: no recompiles (cuda/__init__)
+def _combine_kernel(y_ptr, o_ptr, T, D, stride_ym, stride_om, TOPK: tl.constexpr, ROWS: tl.constexpr,
+                    COLS: tl.constexpr):
+    """o[t, :] = sum_k y[t * TOPK + k, :] in fp32, slot order."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    m = (rows < T)[:, None] & (cols < D)[None, :]
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        acc += tl.load(y_ptr + (rows64 * TOPK + k)[:, None] * stride_ym + cols[None, :], mask=m,
+                       other=0.0).to(tl.float32)
+    tl.store(o_ptr + rows64[:, None] * stride_om + cols[None, :], acc.to(o_ptr.dtype.element_ty), mask=m)
+
+
 # --------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------
@@ -275,6 +288,17 @@ def _down(inter, inter_s, w2, ws2, out, tw, al, num_pairs, n_real, k_real, cfg: 
         INTERP=INTERPRET, TMA=tma, EVEN_K=kb * cfg.block_k <= ip, EVEN_N=n_real % cfg.block_n == 0,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, KB=kb, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
+
+
+def combine_pairs(out_pairs: torch.Tensor, t: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """out_pairs [T*K, D] -> [T, D] dtype: the K slots of each token summed in fp32 (slot order)."""
+    d = out_pairs.shape[1]
+    odt = torch.float32 if INTERPRET else dtype      # the interpreter's fp32->bf16 store rounding is inexact
+    out = torch.empty(t, d, dtype=odt, device=out_pairs.device)                 # [T, D]
+    rows, cols = 16, 256
+    _combine_kernel[(cdiv(t, rows), cdiv(d, cols))](out_pairs, out, t, d, out_pairs.stride(0), out.stride(0),
+                                                    TOPK=top_k, ROWS=rows, COLS=cols, num_warps=4)
+    return out if odt == dtype else out.to(dtype)
 
 
 def check_configs(cfg1: TileConfig, cfg2: TileConfig) -> None:

@@ -15,8 +15,8 @@ expert, BM-row blocks of one expert, see `layout.moe_align`):
   Weights: bf16, block-FP8 (scales per half: gate block rows then up block rows), or MXFP4
   (packed e2m1 nibbles + e8m0 scales, dequantized in registers to bf16 = W4A16).
 * `_moe_down_kernel` — stage 2: the [P, I] intermediate (rows by pair id) times w2[e]^T, multiplied by
-  the routing weight, written per pair in the output dtype; `combine_pairs` (`_combine_kernel`) then sums
-  the K slots in fp32 in one launch (deterministic: no atomics). With IDENTITY dispatch (row = pair, expert 0) the same kernel is a
+  the routing weight, written per pair in the output dtype; `fused_moe_*` then sums the K slots in
+  fp32 (deterministic: no atomics). With IDENTITY dispatch (row = pair, expert 0) the same kernel is a
   dense GEMM: block-FP8 W8A8 and MXFP4 W4A16 dense linears use it.
 
 The K loops run a constexpr trip count KB = cdiv(K, BK): the interpreter cannot iterate `range` over a
@@ -430,31 +430,8 @@ def _down(a, a_s, w, ws, out, tw, al, num_pairs, n_real, k_real, cfg: TileConfig
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-@triton.jit(do_not_specialize=['T'])   # sizes that change per step: no recompiles (cuda/__init__)
-def _combine_kernel(y_ptr, o_ptr, T, D, stride_ym, stride_om, TOPK: tl.constexpr, ROWS: tl.constexpr,
-                    COLS: tl.constexpr):
-    """o[t, :] = sum_k y[t * TOPK + k, :] in fp32, slot order."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
-    m = (rows < T)[:, None] & (cols < D)[None, :]
-    rows64 = rows.to(tl.int64)
-    acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
-    for k in tl.static_range(TOPK):
-        acc += tl.load(y_ptr + (rows64 * TOPK + k)[:, None] * stride_ym + cols[None, :], mask=m,
-                       other=0.0).to(tl.float32)
-    tl.store(o_ptr + rows64[:, None] * stride_om + cols[None, :], acc.to(o_ptr.dtype.element_ty), mask=m)
-
-
-def combine_pairs(out_pairs: torch.Tensor, t: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """out_pairs [T*K, D] -> [T, D] dtype: the K slots of each token summed in fp32 (slot order; deterministic, no
-    atomics), in one launch (was a torch fp32 reduce + a cast: two)."""
-    d = out_pairs.shape[1]
-    odt = torch.float32 if INTERPRET else dtype      # the interpreter's fp32->bf16 store rounding is inexact
-    out = torch.empty(t, d, dtype=odt, device=out_pairs.device)                 # [T, D]
-    rows, cols = 16, 256
-    _combine_kernel[(cdiv(t, rows), cdiv(d, cols))](out_pairs, out, t, d, out_pairs.stride(0), out.stride(0),
-                                                    TOPK=top_k, ROWS=rows, COLS=cols, num_warps=4)
-    return out if odt == dtype else out.to(dtype)
+def _combine(out_pairs: torch.Tensor, t: int, k: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    return out_pairs.view(t, k, d).sum(1, dtype=torch.float32).to(dtype)
 
 
 MAX_PAIRS_PER_CHUNK = 65536      # bounds the [P, I] / [P, D] temporaries (P = tokens x top_k)
@@ -510,7 +487,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
             mx_mode=MX_MODES.get(mx_act_mode or "even", 0), limit=swiglu_limit)
     out_pairs = torch.empty(p, d, dtype=torch.float32 if INTERPRET else x.dtype, device=x.device)
     _down(inter, inter_s, w2, w2_scale, out_pairs, tw, al, p, d, i_real, cfg2, w_mode=wm)
-    return combine_pairs(out_pairs, t, k, x.dtype)
+    return _combine(out_pairs, t, k, d, x.dtype)
 
 
 def dense_gemm_triton(a: torch.Tensor, w: torch.Tensor, *, w_mode: str, a_scale=None, w_scale=None,
