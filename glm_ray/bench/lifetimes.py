@@ -50,7 +50,7 @@ def load_lifetime(path: str | Path, metrics: tuple[str, ...] = METRICS) -> Lifet
 class Row:
     concurrency: int
     metric: str
-    per_lifetime: list[float | None]         # in the order the lifetimes were given
+    per_lifetime: list[float]                # in the order the lifetimes were given
     means: dict[str, float]                  # setting -> mean over its lifetimes
     spreads: dict[str, float]                # setting -> max - min over its lifetimes (0 with one)
     delta_pct: float | None                  # second setting's mean vs the first's
@@ -72,7 +72,7 @@ def compare(lifetimes: list[Lifetime], metrics: tuple[str, ...] = METRICS) -> tu
         delta = (b - a) / a * 100.0 if a else None
         several = all(len(v) > 1 for v in by.values())
         clear = (abs(b - a) > max(spreads.values())) if several else None
-        rows.append(Row(c, m, [lt.values.get((c, m)) for lt in lifetimes], means, spreads, delta, clear))
+        rows.append(Row(c, m, [lt.values[(c, m)] for lt in lifetimes], means, spreads, delta, clear))
     return settings, rows
 
 
@@ -83,7 +83,7 @@ def format_rows(lifetimes: list[Lifetime], settings: list[str], rows: list[Row],
     header += ["delta %", "clear"]
     body = []
     for r in rows:
-        line = [str(r.concurrency), r.metric] + [f"{v:.2f}" if v is not None else "-" for v in r.per_lifetime]
+        line = [str(r.concurrency), r.metric] + [f"{v:.2f}" for v in r.per_lifetime]
         for s in settings:
             line += [f"{r.means[s]:.2f}", f"{r.spreads[s]:.2f}"]
         line += [f"{r.delta_pct:+.2f}" if r.delta_pct is not None else "-",

@@ -34,7 +34,6 @@ from glm_ray.engine.engine_core import EngineCore, StepStats
 from glm_ray.engine.outputs import TokenDelta
 
 logger = logging.getLogger(__name__)
-_STALE_S = 600.0        # a request id whose last token is older than this is forgotten at the next line
 
 
 class StatsLogger:
@@ -47,7 +46,7 @@ class StatsLogger:
         self._generated = 0
         self._ttft: list[tuple[float, float]] = []     # (first token - arrival, first scheduled - arrival) s
         self._last_emit: dict[str, float] = {}          # request id -> when the loop emitted its last token
-        self._itl: list[tuple[float, int]] = []         # (gap s, tokens it covers) of the window's deltas
+        self._itl: list[float] = []                     # the window's per-token gaps (s)
         self._prefix = (engine.kv.prefix_queries, engine.kv.prefix_hits)
 
     def on_step(self, deltas: list[TokenDelta]) -> None:
@@ -61,7 +60,7 @@ class StatsLogger:
             if n:
                 last = self._last_emit.get(d.request_id)
                 if last is not None and d.first_token_time is None:
-                    self._itl.append((now - last, n))
+                    self._itl.extend([(now - last) / n] * n)
                 self._last_emit[d.request_id] = now
             if d.finished:
                 self._last_emit.pop(d.request_id, None)
@@ -78,8 +77,8 @@ class StatsLogger:
         if line:
             logger.info("%s", line)
         self._since, self._generated, self._ttft, self._itl = now, 0, [], []
-        # a request that ended without a finished delta (cannot happen today) must not hold its entry forever
-        self._last_emit = {r: t for r, t in self._last_emit.items() if now - t < _STALE_S}
+        # an aborted request ends without a finished delta: keep only the engine's live requests
+        self._last_emit = {r: t for r, t in self._last_emit.items() if r in self.engine.requests}
         self._prefix = (self.engine.kv.prefix_queries, self.engine.kv.prefix_hits)
         return line
 
@@ -106,10 +105,8 @@ class StatsLogger:
                          f"(queued {1e3 * statistics.median(q for _, q in self._ttft):.1f} ms), "
                          f"{len(self._ttft)} request{'s' if len(self._ttft) != 1 else ''}")
         if self._itl:
-            tokens = sum(n for _, n in self._itl)
-            per_token = sorted(g / n for g, n in self._itl for _ in range(n))         # [tokens] s each
-            parts.append(f"ITL in the engine {1e3 * sum(g for g, _ in self._itl) / tokens:.1f} ms mean "
-                         f"({1e3 * statistics.median(per_token):.1f} median), {tokens} tokens")
+            parts.append(f"ITL in the engine {1e3 * statistics.fmean(self._itl):.1f} ms mean "
+                         f"({1e3 * statistics.median(self._itl):.1f} median), {len(self._itl)} tokens")
         dev = [s.worker_timings["device"] for s in steps if "device" in s.worker_timings]
         if dev:
             gap = [s.worker_timings["gap"] for s in steps if "gap" in s.worker_timings]

@@ -74,6 +74,7 @@ def test_itl_in_the_engine_from_emission_times(tiny_dir):
     splits its gap evenly), first tokens and finished requests excluded, the window's tokens only."""
     from glm_ray.engine.outputs import TokenDelta
     eng = LLM(tiny_dir, dtype="float32").engine
+    eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8))   # live in the engine: its entry outlives a window
     clock = _Clock()
     log = StatsLogger(eng, interval_s=10.0, clock=clock)
 
