@@ -10,7 +10,8 @@
 # spread between two lifetimes was larger than the effect, see docs/measurements/2026-11-30). The compare
 # table is written once both result files exist. For the flag's effect on one step without serving noise:
 #   python -m glm_ray.bench.fp8_proj_step $MODEL --load-format dummy --device cuda --dtype bfloat16
-# MIN_TOKENS sets the FP8 gate (default 512). DEVICE=cpu DTYPE=float32 MODEL=glm5-tiny checks the script here.
+# MIN_TOKENS sets the FP8 gate (default 512). MODEL_DIR serves a model directory in MODEL's place (MODEL still
+# names the result files), e.g. a block-FP8 config whose q_b_proj / o_proj stay bf16 (PR B's checkpoints). DEVICE=cpu DTYPE=float32 MODEL=glm5-tiny checks the script here.
 set -uo pipefail
 MODEL=${MODEL:-glm5-slice-6l}; TP=${TP:-1}; IN=${IN:-1024}; OUT_LEN=${OUT_LEN:-1024}; REPS=${REPS:-3}
 CONC=${CONC:-"4 8 16 32 64"}; FLAGS=${FLAGS:-"off on"}; DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}
@@ -27,7 +28,7 @@ trap 'stop_server; exit 124' TERM INT
 for FLAG in $FLAGS; do
   EXTRA=""; [ $FLAG = on ] && EXTRA="--fp8-proj-gemm --fp8-proj-min-tokens $MIN_TOKENS"
   LOG=$OUT/serve_${MODEL}_tp${TP}_fp8$FLAG.log
-  python3 -m glm_ray.cli serve $MODEL --load-format dummy --device $DEVICE --dtype $DTYPE --tp $TP \
+  python3 -m glm_ray.cli serve ${MODEL_DIR:-$MODEL} --load-format dummy --device $DEVICE --dtype $DTYPE --tp $TP \
       --max-num-seqs $MAX_SEQS --max-num-batched-tokens 8192 --port 8000 $EXTRA > $LOG 2>&1 &
   SERVER=$!
   for i in $(seq 1 300); do curl -sf 127.0.0.1:8000/v1/models >/dev/null && break; grep -q Traceback $LOG && break; sleep 2; done

@@ -39,14 +39,24 @@ case $PART in
     done ;;
   prb1|prb2)
     N0=1; ORDER="off on on"; [ $PART = prb2 ] && { N0=4; ORDER="off off on"; }
+    # PRB_QUANT=fp8 (default): block-FP8 [128,128] weights with q_b_proj / o_proj left bf16, as in GLM-5's FP8
+    # checkpoints (the flag adds an FP8 copy of exactly those two); it also makes glm5-slice-6l fit an 80 GB H100
+    # (bf16 experts take ~73 GB). PRB_QUANT=bf16: the bundled config unquantized (sessions 12-21's legs).
+    PMODEL=${PRB_MODEL:-glm5-slice-6l}; PDIR=$PMODEL
+    [ "${PRB_QUANT:-fp8}" = fp8 ] && PDIR=$(python3 -c "
+import json, sys; from pathlib import Path; from glm_ray.bench.decode import model_dir_for
+d = model_dir_for(sys.argv[1], 'fp8', Path('/tmp/models/prb')); c = json.loads((d / 'config.json').read_text())
+c['quantization_config']['modules_to_not_convert'] = ['self_attn.q_b_proj', 'self_attn.o_proj']
+(d / 'config.json').write_text(json.dumps(c, indent=2)); print(d)" $PMODEL)
+    echo "== $PART: $PDIR (PRB_QUANT=${PRB_QUANT:-fp8})" >> $S
     n=$N0
     for F in $ORDER; do
-      OUT=$OUT/l$n MODEL=${PRB_MODEL:-glm5-slice-6l} TP=1 IN=1024 OUT_LEN=${PRB_OUT:-256} REPS=1 FLAGS=$F timeout ${PRB_LIM:-170} \
+      OUT=$OUT/l$n MODEL=$PMODEL MODEL_DIR=$PDIR TP=1 IN=1024 OUT_LEN=${PRB_OUT:-256} REPS=1 FLAGS=$F timeout ${PRB_LIM:-170} \
           bash scripts/ab_fp8_proj.sh 2>&1 | grep -E "^ +[0-9]|concurrency|rror" >> $S
-      cp $OUT/l$n/${PRB_MODEL:-glm5-slice-6l}_tp1_fp8$F.jsonl $OUT/prb_${n}_$F.jsonl 2>/dev/null
+      cp $OUT/l$n/${PMODEL}_tp1_fp8$F.jsonl $OUT/prb_${n}_$F.jsonl 2>/dev/null
       tail -c 8000 $OUT/l$n/serve_*.log > $OUT/prb_${n}_serve_$F.log 2>/dev/null; rm -rf $OUT/l$n
       n=$((n + 1))
     done
-    python3 -m glm_ray.bench.lifetimes ${PRB_PREV:-} $OUT/prb_*.jsonl >> $S 2>&1 ;;
+    python3 -m glm_ray.bench.lifetimes --baseline fp8_proj=off ${PRB_PREV:-} $OUT/prb_*.jsonl >> $S 2>&1 ;;
 esac
 cat $S

@@ -2,14 +2,17 @@
 between lifetimes of one setting? (issue #20 measure 2, origin PR B's protocol: 3 lifetimes per flag,
 interleaved off/on/on/off/off/on, `glm-ray bench` at C = 4..64 in each.)
 
-    python -m glm_ray.bench.lifetimes prb_1_off.jsonl prb_2_on.jsonl ... [--metrics mean_ttft_ms mean_itl_ms]
+    python -m glm_ray.bench.lifetimes prb_1_off.jsonl prb_2_on.jsonl ... [--baseline fp8_proj=off]
+        [--metrics mean_ttft_ms mean_itl_ms]
 
 Each file is one server lifetime (`glm-ray bench --result-file` rows; several repetitions in a file are
 averaged first); its setting is the rows' `label` (e.g. `fp8_proj=on`). Per concurrency and metric the table
 gives every lifetime's value in file order, then per setting the mean over its lifetimes and the spread
-(max - min over them), and the delta of the second setting's mean against the first's in percent. `clear`
-says whether |delta| exceeds the larger of the two spreads — the issue's criterion for an attributable
-effect (with one lifetime per setting there is no spread and the verdict is "n/a").
+(max - min over them), and the delta of the other setting's mean against the baseline's in percent (the
+baseline: `--baseline`, else the first file's setting). `clear` says whether |delta| exceeds the larger of the
+two spreads — the issue's criterion for an attributable effect (with one lifetime per setting there is no
+spread and the verdict is "n/a"). A concurrency some lifetime lacks (its leg ran out of time) keeps its row:
+"-" in that lifetime's column, means and spreads over the lifetimes that have it.
 """
 from __future__ import annotations
 
@@ -50,29 +53,37 @@ def load_lifetime(path: str | Path, metrics: tuple[str, ...] = METRICS) -> Lifet
 class Row:
     concurrency: int
     metric: str
-    per_lifetime: list[float]                # in the order the lifetimes were given
+    per_lifetime: list[float | None]         # in the order the lifetimes were given (None: that lifetime lacks C)
     means: dict[str, float]                  # setting -> mean over its lifetimes
     spreads: dict[str, float]                # setting -> max - min over its lifetimes (0 with one)
-    delta_pct: float | None                  # second setting's mean vs the first's
+    delta_pct: float | None                  # the other setting's mean vs the baseline's
     clear: bool | None                       # |delta| > the larger spread (None: a setting has one lifetime)
 
 
-def compare(lifetimes: list[Lifetime], metrics: tuple[str, ...] = METRICS) -> tuple[list[str], list[Row]]:
-    """The settings in order of first appearance (exactly two) and a Row per (C, metric) every lifetime has."""
+def compare(lifetimes: list[Lifetime], metrics: tuple[str, ...] = METRICS,
+            baseline: str | None = None) -> tuple[list[str], list[Row]]:
+    """The two settings, baseline first (default: the first lifetime's), and a Row per (C, metric) that
+    both settings have in at least one lifetime."""
     settings = list(dict.fromkeys(lt.label for lt in lifetimes))
     if len(settings) != 2:
         raise ValueError(f"need lifetimes of exactly two settings, got {settings}")
-    keys = sorted(set.intersection(*(set(lt.values) for lt in lifetimes)), key=lambda k: (k[0], metrics.index(k[1])))
+    if baseline is not None:
+        if baseline not in settings:
+            raise ValueError(f"baseline {baseline!r} is none of the lifetimes' settings {settings}")
+        settings.sort(key=lambda s: s != baseline)
+    keys = sorted({k for lt in lifetimes for k in lt.values}, key=lambda k: (k[0], metrics.index(k[1])))
     rows = []
     for c, m in keys:
-        by = {s: [lt.values[(c, m)] for lt in lifetimes if lt.label == s] for s in settings}
+        by = {s: [lt.values[(c, m)] for lt in lifetimes if lt.label == s and (c, m) in lt.values] for s in settings}
+        if not all(by.values()):
+            continue
         means = {s: fmean(v) for s, v in by.items()}
         spreads = {s: max(v) - min(v) for s, v in by.items()}
         a, b = means[settings[0]], means[settings[1]]
         delta = (b - a) / a * 100.0 if a else None
         several = all(len(v) > 1 for v in by.values())
         clear = (abs(b - a) > max(spreads.values())) if several else None
-        rows.append(Row(c, m, [lt.values[(c, m)] for lt in lifetimes], means, spreads, delta, clear))
+        rows.append(Row(c, m, [lt.values.get((c, m)) for lt in lifetimes], means, spreads, delta, clear))
     return settings, rows
 
 
@@ -83,7 +94,7 @@ def format_rows(lifetimes: list[Lifetime], settings: list[str], rows: list[Row],
     header += ["delta %", "clear"]
     body = []
     for r in rows:
-        line = [str(r.concurrency), r.metric] + [f"{v:.2f}" for v in r.per_lifetime]
+        line = [str(r.concurrency), r.metric] + ["-" if v is None else f"{v:.2f}" for v in r.per_lifetime]
         for s in settings:
             line += [f"{r.means[s]:.2f}", f"{r.spreads[s]:.2f}"]
         line += [f"{r.delta_pct:+.2f}" if r.delta_pct is not None else "-",
@@ -95,13 +106,14 @@ def format_rows(lifetimes: list[Lifetime], settings: list[str], rows: list[Row],
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", help="one glm-ray bench result file per server lifetime")
+    p.add_argument("--baseline", help="the setting the delta is taken against (default: the first file's)")
     p.add_argument("--metrics", nargs="+", default=list(METRICS))
     p.add_argument("--format", choices=["text", "markdown"], default="text")
     args = p.parse_args(argv)
     metrics = tuple(args.metrics)
     try:
         lts = [load_lifetime(f, metrics) for f in args.files]
-        settings, rows = compare(lts, metrics)
+        settings, rows = compare(lts, metrics, args.baseline)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -68,3 +68,28 @@ def test_bad_inputs_are_clear_errors(tmp_path, capsys):
         lt.load_lifetime(mixed)
     one = _write(tmp_path / "one.jsonl", "a", {4: [(1.0, 1.0)]})
     assert lt.main([one, one]) == 2 and "exactly two settings" in capsys.readouterr().err
+
+
+def test_baseline_and_a_concurrency_one_lifetime_lacks(tmp_path):
+    """The delta is against --baseline whatever the files' order; a C missing from one lifetime (its leg timed
+    out) keeps its row, means and spreads over the lifetimes that have it; a C one setting lacks entirely is
+    dropped."""
+    spec = [("on", {4: [(90.0, 10.0)], 64: [(400.0, 30.0)]}),
+            ("off", {4: [(100.0, 10.0)]}),                           # no C=64: timed out
+            ("off", {4: [(104.0, 10.0)], 64: [(440.0, 30.0)]}),
+            ("on", {4: [(94.0, 10.0)], 64: [(420.0, 31.0)], 128: [(900.0, 40.0)]})]
+    files = [_write(tmp_path / f"l{i}_{f}.jsonl", f"fp8_proj={f}", v) for i, (f, v) in enumerate(spec)]
+    lts = [lt.load_lifetime(p) for p in files]
+    settings, rows = lt.compare(lts, baseline="fp8_proj=off")
+    assert settings == ["fp8_proj=off", "fp8_proj=on"]
+    by = {(r.concurrency, r.metric): r for r in rows}
+    assert {c for c, _ in by} == {4, 64}
+    r4 = by[(4, "mean_ttft_ms")]
+    assert r4.delta_pct == pytest.approx((92.0 - 102.0) / 102.0 * 100) and r4.clear is True
+    r64 = by[(64, "mean_ttft_ms")]
+    assert r64.per_lifetime == [400.0, None, 440.0, 420.0]
+    assert r64.means == pytest.approx({"fp8_proj=off": 440.0, "fp8_proj=on": 410.0})
+    assert r64.spreads == pytest.approx({"fp8_proj=off": 0.0, "fp8_proj=on": 20.0})
+    assert r64.clear is None                                  # one off lifetime left at C=64: no spread
+    assert "-" in lt.format_rows(lts, settings, rows).splitlines()[-2].split()
+    assert lt.main(files + ["--baseline", "x=1"]) == 2
