@@ -11,7 +11,10 @@ gives every lifetime's value in file order, then per setting the mean over its l
 (max - min over them), and the delta of the other setting's mean against the baseline's in percent (the
 baseline: `--baseline`, else the first file's setting). `clear` says whether |delta| exceeds the larger of the
 two spreads — the issue's criterion for an attributable effect (with one lifetime per setting there is no
-spread and the verdict is "n/a"). A concurrency some lifetime lacks (its leg ran out of time) keeps its row:
+spread and the verdict is "n/a"). `paired` is the ABBA view of the same lifetimes: the lifetimes taken two by
+two in file order (1+2, 3+4, 5+6: PR B's off/on, on/off, off/on), each pair of two settings gives the other
+setting's delta against the baseline within that pair, so a drift between server lifetimes cancels; `same sign`
+says whether every pair's delta points the same way. A concurrency some lifetime lacks (its leg ran out of time) keeps its row:
 "-" in that lifetime's column, means and spreads over the lifetimes that have it.
 """
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Row:
     spreads: dict[str, float]                # setting -> max - min over its lifetimes (0 with one)
     delta_pct: float | None                  # the other setting's mean vs the baseline's
     clear: bool | None                       # |delta| > the larger spread (None: a setting has one lifetime)
+    paired: list[float]                      # per adjacent pair of lifetimes of both settings: its delta (%)
 
 
 def compare(lifetimes: list[Lifetime], metrics: tuple[str, ...] = METRICS,
@@ -83,22 +87,38 @@ def compare(lifetimes: list[Lifetime], metrics: tuple[str, ...] = METRICS,
         delta = (b - a) / a * 100.0 if a else None
         several = all(len(v) > 1 for v in by.values())
         clear = (abs(b - a) > max(spreads.values())) if several else None
-        rows.append(Row(c, m, [lt.values.get((c, m)) for lt in lifetimes], means, spreads, delta, clear))
+        rows.append(Row(c, m, [lt.values.get((c, m)) for lt in lifetimes], means, spreads, delta, clear,
+                        _paired(lifetimes, settings, (c, m))))
     return settings, rows
+
+
+def _paired(lifetimes: list[Lifetime], settings: list[str], key: tuple[int, str]) -> list[float]:
+    """Lifetimes (0, 1), (2, 3), ... of different settings that both have `key`: the other setting's value vs
+    the baseline's within each pair, in percent."""
+    out = []
+    for a, b in zip(lifetimes[0::2], lifetimes[1::2]):
+        if a.label == b.label or key not in a.values or key not in b.values:
+            continue
+        base, other = (a, b) if a.label == settings[0] else (b, a)
+        if base.values[key]:
+            out.append((other.values[key] - base.values[key]) / base.values[key] * 100.0)
+    return out
 
 
 def format_rows(lifetimes: list[Lifetime], settings: list[str], rows: list[Row], fmt: str = "text") -> str:
     header = ["C", "metric"] + [f"{lt.name} ({lt.label})" for lt in lifetimes]
     for s in settings:
         header += [f"{s} mean", f"{s} spread"]
-    header += ["delta %", "clear"]
+    header += ["delta %", "clear", "paired deltas %", "same sign"]
     body = []
     for r in rows:
         line = [str(r.concurrency), r.metric] + ["-" if v is None else f"{v:.2f}" for v in r.per_lifetime]
         for s in settings:
             line += [f"{r.means[s]:.2f}", f"{r.spreads[s]:.2f}"]
         line += [f"{r.delta_pct:+.2f}" if r.delta_pct is not None else "-",
-                 {True: "yes", False: "no", None: "n/a"}[r.clear]]
+                 {True: "yes", False: "no", None: "n/a"}[r.clear],
+                 " / ".join(f"{d:+.1f}" for d in r.paired) or "-",
+                 ("yes" if len({d > 0 for d in r.paired}) == 1 else "no") if len(r.paired) > 1 else "n/a"]
         body.append(line)
     return render(header, body, fmt)
 

@@ -93,3 +93,18 @@ def test_baseline_and_a_concurrency_one_lifetime_lacks(tmp_path):
     assert r64.clear is None                                  # one off lifetime left at C=64: no spread
     assert "-" in lt.format_rows(lts, settings, rows).splitlines()[-2].split()
     assert lt.main(files + ["--baseline", "x=1"]) == 2
+
+
+def test_paired_deltas_follow_the_abba_pairs(tmp_path):
+    """PR B's order off/on/on/off/off/on pairs as (1, 2), (3, 4), (5, 6); each pair's delta is on vs off inside it,
+    whichever comes first; a drift that lifts later lifetimes cancels inside a pair."""
+    ttft = [100.0, 95.0, 105.0, 110.0, 120.0, 114.0]           # a drift of +10 per pair, on 5% below off in each
+    spec = zip(["off", "on", "on", "off", "off", "on"], ttft)
+    files = [_write(tmp_path / f"l{i}_{f}.jsonl", f"fp8_proj={f}", {4: [(t, 10.0)]}) for i, (f, t) in enumerate(spec)]
+    lts = [lt.load_lifetime(p) for p in files]
+    settings, rows = lt.compare(lts, baseline="fp8_proj=off")
+    r = {(x.concurrency, x.metric): x for x in rows}[(4, "mean_ttft_ms")]
+    assert r.paired == pytest.approx([-5.0, (105.0 - 110.0) / 110.0 * 100, -5.0])
+    assert r.clear is False                                    # the drift makes the spreads larger than the delta
+    text = lt.format_rows(lts, settings, rows)
+    assert "-5.0 / -4.5 / -5.0" in text and text.splitlines()[2].split()[-1] == "yes"
