@@ -49,12 +49,16 @@ d = model_dir_for(sys.argv[1], 'fp8', Path('/tmp/models/prb')); c = json.loads((
 c['quantization_config']['modules_to_not_convert'] = ['self_attn.q_b_proj', 'self_attn.o_proj']
 (d / 'config.json').write_text(json.dumps(c, indent=2)); print(d)" $PMODEL)
     echo "== $PART: $PDIR (PRB_QUANT=${PRB_QUANT:-fp8})" >> $S
+    export GLM_RAY_LOG_TRITON_COMPILES=${GLM_RAY_LOG_TRITON_COMPILES:-1}
     n=$N0
     for F in $ORDER; do
       OUT=$OUT/l$n MODEL=$PMODEL MODEL_DIR=$PDIR TP=1 IN=1024 OUT_LEN=${PRB_OUT:-256} REPS=1 FLAGS=$F timeout ${PRB_LIM:-170} \
           bash scripts/ab_fp8_proj.sh 2>&1 | grep -E "^ +[0-9]|concurrency|rror" >> $S
       cp $OUT/l$n/${PMODEL}_tp1_fp8$F.jsonl $OUT/prb_${n}_$F.jsonl 2>/dev/null
-      tail -c 8000 $OUT/l$n/serve_*.log > $OUT/prb_${n}_serve_$F.log 2>/dev/null; rm -rf $OUT/l$n
+      # the Triton compiles of the lifetime (GLM_RAY_LOG_TRITON_COMPILES, exported above): those after "Router ready" ran inside
+      # served steps (session 35's first lifetime on a fresh machine was 5x slower at C=4; cause not established)
+      { grep -E "triton compile|Router ready" $OUT/l$n/serve_*.log | cut -c1-300 | tail -60; tail -c 8000 $OUT/l$n/serve_*.log; } \
+          > $OUT/prb_${n}_serve_$F.log 2>/dev/null; rm -rf $OUT/l$n
       n=$((n + 1))
     done
     python3 -m glm_ray.bench.lifetimes --baseline fp8_proj=off ${PRB_PREV:-} $OUT/prb_*.jsonl >> $S 2>&1 ;;
