@@ -9,7 +9,7 @@
 #   python -m glm_ray.bench.cli --compare <off files concatenated> <on files concatenated>
 # Issue #20 measure 2 (PR B's protocol, 3 server lifetimes per flag in the order off/on/on/off/off/on, split over
 # two device calls of ~6 min each; output PRB_OUT=256 tokens, not PR B's 1024, to fit the device budget):
-#   PART=prb1 bash scripts/device_h200_fp8proj.sh   # lifetimes 1-3: off on on
+#   PART=prb1 bash scripts/device_h200_fp8proj.sh   # a discarded warm-up lifetime (PRB_WARM=0: none), lifetimes 1-3: off on on
 #   PART=prb2 bash scripts/device_h200_fp8proj.sh   # lifetimes 4-6: off off on (prints the table of all six)
 # Each lifetime writes $OUT/prb_<n>_<flag>.jsonl; the table: per C, each lifetime's mean TTFT / ITL, the spread
 # between the lifetimes of one flag and the on-vs-off delta of the flags' means (the target: |delta| > spread).
@@ -50,6 +50,14 @@ c['quantization_config']['modules_to_not_convert'] = ['self_attn.q_b_proj', 'sel
 (d / 'config.json').write_text(json.dumps(c, indent=2)); print(d)" $PMODEL)
     echo "== $PART: $PDIR (PRB_QUANT=${PRB_QUANT:-fp8})" >> $S
     export GLM_RAY_LOG_TRITON_COMPILES=${GLM_RAY_LOG_TRITON_COMPILES:-1}
+    # PRB_WARM=1 (default, prb1 only): a discarded short lifetime first (C=4, output 16), so lifetime 1 is not the
+    # machine's first server (session 35's was an outlier); its Triton compiles are kept in prb_0_warm.log
+    if [ $PART = prb1 ] && [ "${PRB_WARM:-1}" = 1 ]; then
+      OUT=$OUT/l0 MODEL=$PMODEL MODEL_DIR=$PDIR TP=1 IN=1024 OUT_LEN=16 REPS=1 CONC=4 FLAGS=off timeout 150 \
+          bash scripts/ab_fp8_proj.sh > /dev/null 2>&1
+      grep -E "triton compile|Router ready" $OUT/l0/serve_*.log | cut -c1-300 | tail -80 > $OUT/prb_0_warm.log 2>/dev/null
+      echo "warm-up lifetime: $(grep -c "triton compile" $OUT/prb_0_warm.log) compiles logged" >> $S; rm -rf $OUT/l0
+    fi
     n=$N0
     for F in $ORDER; do
       OUT=$OUT/l$n MODEL=$PMODEL MODEL_DIR=$PDIR TP=1 IN=1024 OUT_LEN=${PRB_OUT:-256} REPS=1 FLAGS=$F timeout ${PRB_LIM:-170} \
