@@ -148,6 +148,11 @@ ABSORB_PREFILL_TOKENS: EnvVar[int] = EnvVar(
 CUDA_INDEXER_TOPK: EnvVar[str] = EnvVar(
     "GLM_RAY_CUDA_INDEXER_TOPK", _choice("triton", "torch"), "triton", "cuda backend: top-k of the DSA indexer's "
     "decode path: the multi-program Triton radix select (kernels/cuda/topk.py) or torch.topk")
+CUDA_KDA_SCAN: EnvVar[str] = EnvVar(
+    "GLM_RAY_CUDA_KDA_SCAN", _choice("triton", "torch"), "torch", "cuda backend: the sequential part of GLM-5.3-"
+    "Flash's chunked KDA prefill (op kda_chunked): one Triton launch that walks the chunks with the state in "
+    "registers (kernels/cuda/kda.py, interpreter-tested, not yet run on a GPU) or the torch reference's loop "
+    "over 64-token chunks (~8 launches each)")
 LOG_TRITON_COMPILES: EnvVar[bool] = EnvVar(
     "GLM_RAY_LOG_TRITON_COMPILES", _bool, False, "cuda backend: log every Triton JIT compile (kernel, "
     "seconds, specialization; kernels/cuda/compile_log.py): a compile inside a step stalls it for seconds", "bool")
@@ -184,7 +189,7 @@ LOG_LEVEL: EnvVar[str] = EnvVar(
 ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_THREADS, ORCHESTRATION,
                            TIME_COLLECTIVES, STEP_TIMELINE, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
                            CUDA_MOE_DECODE_PAIRS, CUDA_MOE_PREFILL_ROWS, SIDE_STREAM_TOKENS, ABSORB_PREFILL_TOKENS,
-                           CUDA_INDEXER_TOPK,
+                           CUDA_INDEXER_TOPK, CUDA_KDA_SCAN,
                            LOG_TRITON_COMPILES, KERNEL_WARMUP, STEP_TIMEOUT_S, FAULT_INJECTION,
                            TEST_FORCED_OUTPUT, GRAMMAR_THREADS, GRAMMAR_CACHE_MB, LOG_STATS_INTERVAL_S, LOG_LEVEL)
 

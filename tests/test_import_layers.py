@@ -57,6 +57,7 @@ DEFERRED = {
     ("glm_ray.bench.moe_decode", "glm_ray.kernels.cuda.triton_kernels"): "triton: `--help` works without it",
     ("glm_ray.bench.moe_prefill", "glm_ray.kernels.cuda.moe_prefill"): "triton: `--help` works without it",
     ("glm_ray.bench.moe_prefill", "glm_ray.kernels.cuda.triton_kernels"): "triton: `--help` works without it",
+    ("glm_ray.bench.kda", "glm_ray.kernels.cuda.kda"): "triton: `--help` works without it",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.moe_decode"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.moe_prefill"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.norm"): "triton, only on the cuda backend",

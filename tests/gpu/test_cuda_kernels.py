@@ -353,3 +353,28 @@ def test_kda_decode(ck, B):
     got = ck.kda_decode(q, k, v, gate, beta, s_got, slots, fresh)
     _record("kda_decode", rel_err(got.float(), want.float()), 1e-2, part="out", B=B)     # bf16 output rounding
     _record("kda_decode", rel_err(s_got, s_ref), 1e-5, part="state", B=B)
+
+
+@pytest.mark.parametrize("B,L", [(1, 1000), (3, 200)])
+def test_kda_chunked_triton_scan(ck, B, L, monkeypatch):
+    """The chunked KDA prefill with GLM_RAY_CUDA_KDA_SCAN=triton (one Triton launch walks the chunks) against the
+    reference on the GPU, at GLM-5.3-Flash head shapes (dk = dv = 128), cached state rows read at the slots (zeros
+    where fresh) and written back. The scan's dots are 3xTF32: about fp32, so the bounds are fp32-summation-order
+    ones; the output rounds to bf16."""
+    from glm_ray.kernels.torch_ref.kda import kda_chunked_cached as ref
+    monkeypatch.setenv("GLM_RAY_CUDA_KDA_SCAN", "triton")
+    g = torch.Generator(device="cuda").manual_seed(B * L)
+    def r(*s):
+        return torch.randn(*s, device="cuda", generator=g)
+    q, k, v = r(B, L, 8, 128).bfloat16(), r(B, L, 8, 128).bfloat16(), r(B, L, 8, 128).bfloat16()
+    gate = (-5.0 * torch.sigmoid(r(B, L, 8, 128))).bfloat16()
+    beta = torch.rand(B, L, 8, device="cuda", generator=g).bfloat16()
+    state = 0.5 * r(16, 8, 128, 128)
+    slots = torch.randperm(16, device="cuda", generator=g)[:B]
+    fresh = torch.arange(B, device="cuda") == 0
+    s_ref, s_got = state.clone(), state.clone()
+    want = ref(q, k, v, gate, beta, s_ref, slots, fresh)
+    got = ck.kda_chunked(q, k, v, gate, beta, s_got, slots, fresh)
+    assert not ck.fallbacks, dict(ck.fallbacks)
+    _record("kda_chunked", rel_err(got.float(), want.float()), 1e-2, part="out", B=B, L=L)   # bf16 output rounding
+    _record("kda_chunked", rel_err(s_got, s_ref), 1e-4, part="state", B=B, L=L)

@@ -30,11 +30,13 @@ def test_cuda_backend_inherits_the_references(monkeypatch):
     try:
         ops = kernels.init_backend("cuda", "cpu")
         for name, ref in NEW_OPS.items():
-            if name not in ("kda_decode", "mla_decode", "mla_prefill", "indexer_topk", "swiglu"):   # the cuda backend's own
+            if name not in ("kda_decode", "kda_chunked", "mla_decode", "mla_prefill", "indexer_topk",
+                            "swiglu"):                                                    # the cuda backend's own
                 assert getattr(ops, name) is ref, name
-        monkeypatch.setenv("GLM_RAY_TORCH_OPS", "kda_decode,mla_decode,mla_prefill,indexer_topk,swiglu")
+        monkeypatch.setenv("GLM_RAY_TORCH_OPS", "kda_decode,kda_chunked,mla_decode,mla_prefill,indexer_topk,swiglu")
         ops = kernels.init_backend("cuda", "cpu")
         assert ops.kda_decode is kda.kda_decode and ops.mla_decode is attention.mla_decode
+        assert ops.kda_chunked is kda.kda_chunked_cached
         assert ops.swiglu is moe.swiglu
         assert ops.mla_prefill is attention.mla_prefill
     finally:

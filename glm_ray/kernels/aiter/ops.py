@@ -67,8 +67,9 @@ Everything else — what aiter has no op for, and the shapes above that aiter's 
   Hopper): mla_prefill, indexer_topk, the bf16 fused_moe, mxfp4_linear, kda_decode, mhc_coefficients,
   swiglu, rms_norm, rope_inplace, fp32_linear and the two cache writes. Each falls back to the torch
   reference itself (unsupported shape, or a kernel that failed to compile: logged, once). Their tile
-  configs are Hopper's, untuned for CDNA — correct first, tuned on an MI355X later. indexer_kpool_topk,
-  causal_conv1d and kda_chunked have no kernel in any backend: the torch reference.
+  configs are Hopper's, untuned for CDNA — correct first, tuned on an MI355X later. indexer_kpool_topk and
+  causal_conv1d have no kernel in any backend, and kda_chunked's scan kernel is the cuda backend's alone (3xTF32
+  dots, opt-in there): the torch reference.
 
   Known numerics differences from the torch reference (documented, measured on GPU later):
   * aiter HIP MXFP4 activation quant uses RoundUp E8M0 scales (aiter#3212); Quark checkpoints

@@ -51,7 +51,10 @@
   the block table and expanded once with kv_b, packed queries, causal with the prefix offset) dense or
   over the DSA top-k positions (a per-query bitmap). Reference when: not CUDA, sm < 80, not bf16/fp16,
   cache dtype != q's, a bool-mask selection (the k-pool indexer), qk_nope_head_dim < 16.
-* indexer_kpool_topk, causal_conv1d, kda_chunked: inherited from torch (tiled top-k, chunked KDA).
+* kda_chunked: the reference's batched per-chunk terms, then (GLM_RAY_CUDA_KDA_SCAN=triton; default torch
+  until it has run on a GPU) one Triton launch for the scan over the chunks (kda.py). Reference when: the
+  env is torch, not CUDA, sm < 80, head dim not a power of 2 >= 16, state not fp32.
+* indexer_kpool_topk, causal_conv1d: inherited from torch (tiled top-k).
 * Any kernel exception (e.g. a Triton compile error on an untested GPU/Triton pair) marks that op
   broken for the process: logged with its traceback, reference from then on (`_guarded`).
 * On ROCm (a HIP build of torch) only the `ROCM_PORTABLE` ops take their kernels, with no capability check;
@@ -82,6 +85,7 @@ from glm_ray.kernels.torch_ref import indexer as ref_indexer
 from glm_ray.kernels.torch_ref import quant_ops as ref
 from glm_ray.kernels.torch_ref.fp8 import FP8_DTYPE, per_token_group_quant_fp8
 from glm_ray.kernels.torch_ref.fp8 import block_fp8_linear as ref_block_fp8_linear
+from glm_ray.kernels.torch_ref.kda import kda_chunked_cached as ref_kda_chunked
 from glm_ray.kernels.torch_ref.kda import kda_decode as ref_kda_decode
 from glm_ray.kernels.torch_ref.linear import fp32_linear as ref_fp32_linear
 from glm_ray.kernels.torch_ref.mhc import mhc_coefficients as ref_mhc
@@ -455,6 +459,26 @@ class CudaKernels:
         # NOTE: the kernel writes the state in place; a failure before any store leaves it intact
         return self._guarded("kda_decode", lambda: fast(*args), lambda: ref_kda_decode(*args))
 
+    # ---- KDA chunked prefill (GLM-5.3-Flash) --------------------------------------------------------
+    def kda_chunked(self, q, k, v, g, beta, state, slots, fresh):
+        """The chunks' state-free terms batched in torch, then (GLM_RAY_CUDA_KDA_SCAN=triton) one Triton launch
+        for the sequential part instead of the reference's loop over chunks."""
+        args = (q, k, v, g, beta, state, slots, fresh)
+        if envs.CUDA_KDA_SCAN.get() != "triton":
+            return ref_kda_chunked(*args)
+        dk = k.shape[-1]
+        reason = (self._gpu_reason(q, 80, need_triton=True, op="kda_chunked")
+                  or (f"head dim {dk} is not a power of 2 >= 16" if dk & (dk - 1) or dk < 16 else None)
+                  or (f"state dtype {state.dtype} (needs float32)" if state.dtype != torch.float32 else None))
+        if reason is not None:
+            self._fallback("kda_chunked", reason)
+            return ref_kda_chunked(*args)
+        from glm_ray.kernels.cuda.kda import kda_chunk_scan  # noqa: PLC0415 (imports triton)
+        # NOTE: the cached state is written only after the whole scan (index_copy_ at the end), so a failure
+        # inside it leaves the state for the reference to start from
+        return self._guarded("kda_chunked", lambda: ref_kda_chunked(*args, scan=kda_chunk_scan),
+                             lambda: ref_kda_chunked(*args))
+
 
     # ---- attention and the DSA indexer: decode groups -------------------------------------------
     def _decode_reason(self, x: torch.Tensor, group, op: str) -> str | None:
@@ -615,7 +639,8 @@ def make_ops(fp8_gemm: str | None = None):
     return KernelOps(name="cuda", block_fp8_linear=k.block_fp8_linear, fused_moe=k.fused_moe,
                      block_fp8_linear_prepare=k.block_fp8_linear_prepare, fused_moe_block_fp8=k.fused_moe_block_fp8,
                      fused_moe_mxfp4=k.fused_moe_mxfp4, mxfp4_linear=k.mxfp4_linear,
-                     mhc_coefficients=k.mhc_coefficients, kda_decode=k.kda_decode, mla_decode=k.mla_decode,
+                     mhc_coefficients=k.mhc_coefficients, kda_decode=k.kda_decode, kda_chunked=k.kda_chunked,
+                     mla_decode=k.mla_decode,
                      mla_prefill=k.mla_prefill, indexer_topk=k.indexer_topk, moe_routing=k.moe_routing,
                      fp32_linear=k.fp32_linear, swiglu=k.swiglu,
                      rms_norm=k.rms_norm, rope_inplace=k.rope_inplace,

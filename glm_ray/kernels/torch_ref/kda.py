@@ -31,6 +31,8 @@ recurrent form).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,13 +79,66 @@ def _intra_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, Gx: torch.T
     return A, P
 
 
+@dataclass
+class ChunkTerms:
+    """What the sequential part of the chunked form needs per chunk, computed for many chunks at once
+    (nothing here depends on the state). N = batch x heads, m chunks of C rows; fp32.
+
+        U  = U0 - W S                 o = Qd S + P U              S <- decay * S + Kd^T U
+    """
+    W: torch.Tensor        # [N, m, C, dk]  (I + A)^-1 (beta * k * exp(G))
+    U0: torch.Tensor       # [N, m, C, dv]  (I + A)^-1 (beta * v)
+    Qd: torch.Tensor       # [N, m, C, dk]  q * exp(G)
+    P: torch.Tensor        # [N, m, C, C]   decay-weighted q.k scores, s <= t
+    Kd: torch.Tensor       # [N, m, C, dk]  k * exp(G_last - G)
+    decay: torch.Tensor    # [N, m, dk]     exp(G_last)
+
+
+def chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                sub: int) -> ChunkTerms:
+    """q, k (normalised), g [N, m, C, dk]; v [N, m, C, dv]; beta [N, m, C, 1] -> the chunks' ChunkTerms: the
+    intra-chunk scores and the one unit-lower triangular solve per chunk, batched over every chunk."""
+    N, m, C, dk = k.shape
+    dv = v.shape[-1]
+    G = g.cumsum(2)                                                           # [N, m, C, dk] inclusive
+    A, P = _intra_scores(q.reshape(N * m, C, dk), k.reshape(N * m, C, dk), G.reshape(N * m, C, dk),
+                         (G - g).reshape(N * m, C, dk), sub)                  # [N*m, C, C] each
+    bf = beta.reshape(N * m, C, 1)
+    eG = torch.exp(G)                                                         # exponent <= 0
+    rhs = torch.cat([bf * v.reshape(N * m, C, dv), bf * (k * eG).reshape(N * m, C, dk)], -1)   # [N*m, C, dv+dk]
+    eye = torch.eye(C, dtype=torch.float32, device=k.device)
+    sol = torch.linalg.solve_triangular(eye + bf * A, rhs, upper=False, unitriangular=True)
+    Gl = G[:, :, -1:]                                                         # [N, m, 1, dk]
+    return ChunkTerms(W=sol[..., dv:].reshape(N, m, C, dk), U0=sol[..., :dv].reshape(N, m, C, dv),
+                      Qd=q * eG, P=P.reshape(N, m, C, C), Kd=k * torch.exp(Gl - G), decay=torch.exp(Gl[:, :, 0]))
+
+
+def chunk_scan(t: ChunkTerms, S: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """The sequential part over t's m chunks: state S [N, dk, dv] fp32 in, each chunk's output written to
+    o [N, m, C, dv]; returns the state after the last chunk (the `kda_chunk_scan` kernel's reference)."""
+    for i in range(t.W.shape[1]):
+        U = t.U0[:, i] - t.W[:, i] @ S                                        # [N, C, dv]
+        o[:, i] = t.Qd[:, i] @ S + t.P[:, i] @ U
+        S = t.decay[:, i, :, None] * S + t.Kd[:, i].transpose(1, 2) @ U        # [N, dk, dv]
+    return S
+
+
+_TERMS_BYTES = 256 << 20   # chunks per batch of `chunk_terms`: its transients (intra scores) within this
+
+
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                initial_state: torch.Tensor | None, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                initial_state: torch.Tensor | None, chunk_size: int = 64,
+                scan: Callable[[ChunkTerms, torch.Tensor, torch.Tensor], torch.Tensor] = chunk_scan,
+                max_bytes: int = _TERMS_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked KDA over a padded batch.
 
     q, k [B, L, H, dk] raw (L2-normalised here, q scaled by dk^-0.5); v [B, L, H, dv]; g [B, L, H, dk]
     log-decay (<= 0); beta [B, L, H]; initial_state [B, H, dk, dv] fp32 (None = zeros).
     Returns o [B, L, H, dv] in q.dtype and the final state [B, H, dk, dv] fp32.
+
+    The chunks' state-free terms (`chunk_terms`) are computed for as many chunks at once as `max_bytes` of
+    transients allow; `scan` (`chunk_scan`, or a backend's kernel with its contract) carries the state
+    through them.
     """
     B, L, H, dk = k.shape
     dv = v.shape[-1]
@@ -104,19 +159,12 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     S = (torch.zeros(B * H, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
          else initial_state.float().reshape(B * H, dk, dv).clone())           # [N, dk, dv]
     o = torch.empty(B * H, n, C, dv, dtype=torch.float32, device=q.device)
-    eye = torch.eye(C, dtype=torch.float32, device=q.device)
-    for i in range(n):
-        qi, ki, vi, bi = qf[:, i], kf[:, i], vf[:, i], bf[:, i]
-        G = gf[:, i].cumsum(1)                                                # [N, C, dk] inclusive
-        Gx = G - gf[:, i]                                                     # exclusive
-        A, P = _intra_scores(qi, ki, G, Gx, sub)                              # [N, C, C] each
-        A = bi * A                                                            # row t scaled by beta_t
-        rhs = torch.cat([bi * vi, bi * ki * torch.exp(G)], -1)                # [N, C, dv + dk]
-        sol = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-        U = sol[..., :dv] - sol[..., dv:] @ S                                 # [N, C, dv]
-        o[:, i] = (qi * torch.exp(G)) @ S + P @ U
-        Gl = G[:, -1:]                                                        # [N, 1, dk]
-        S = torch.exp(Gl).transpose(1, 2) * S + (ki * torch.exp(Gl - G)).transpose(1, 2) @ U
+    per_chunk = B * H * C * (3 * (sub + C // sub) * dk + 4 * C + 6 * (dk + dv)) * 4   # ~ transients, bytes
+    step = max(1, min(n, max_bytes // per_chunk))
+    for c0 in range(0, n, step):                                              # one pass at most contexts
+        c1 = min(n, c0 + step)
+        t = chunk_terms(qf[:, c0:c1], kf[:, c0:c1], vf[:, c0:c1], gf[:, c0:c1], bf[:, c0:c1], sub)
+        S = scan(t, S, o[:, c0:c1])
     o = o.reshape(B, H, n * C, dv)[:, :, :L].transpose(1, 2)                  # [B, L, H, dv]
     return o.to(q.dtype), S.reshape(B, H, dk, dv)
 
@@ -187,7 +235,9 @@ def causal_conv1d_cached(x: torch.Tensor, weight: torch.Tensor, lengths: torch.T
 
 
 def kda_chunked_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+                       state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
+                       scan: Callable[[ChunkTerms, torch.Tensor, torch.Tensor], torch.Tensor] = chunk_scan
+                       ) -> torch.Tensor:
     """`kda_chunked` against the state cache (the `kda_chunked` kernel op's reference).
 
     q, k, g [B, L, H, dk]; v [B, L, H, dv]; beta [B, L, H] (padding rows: k = v = g = beta = 0, the
@@ -196,6 +246,6 @@ def kda_chunked_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     Returns o [B, L, H, dv] in q.dtype.
     """
     s0 = torch.where(fresh[:, None, None, None], 0, state[slots])              # [B, H, dk, dv]
-    o, s1 = kda_chunked(q, k, v, g, beta, s0)
+    o, s1 = kda_chunked(q, k, v, g, beta, s0, scan=scan)                    # (a backend passes its scan kernel)
     state.index_copy_(0, slots, s1.to(state.dtype))
     return o
