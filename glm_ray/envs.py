@@ -150,9 +150,9 @@ CUDA_INDEXER_TOPK: EnvVar[str] = EnvVar(
     "decode path: the multi-program Triton radix select (kernels/cuda/topk.py) or torch.topk")
 CUDA_KDA_SCAN: EnvVar[str] = EnvVar(
     "GLM_RAY_CUDA_KDA_SCAN", _choice("triton", "torch"), "torch", "cuda backend: the sequential part of GLM-5.3-"
-    "Flash's chunked KDA prefill (op kda_chunked): one Triton launch that walks the chunks with the state in "
-    "registers (kernels/cuda/kda.py, interpreter-tested, not yet run on a GPU) or the torch reference's loop "
-    "over 64-token chunks (~8 launches each)")
+    "Flash's chunked KDA prefill (op kda_chunked): a Triton launch per batch of chunks that walks them with the "
+    "state in registers (kernels/cuda/kda.py, interpreter-tested, not yet run on a GPU) or the torch reference's "
+    "loop over 64-token chunks (~8 launches each)")
 LOG_TRITON_COMPILES: EnvVar[bool] = EnvVar(
     "GLM_RAY_LOG_TRITON_COMPILES", _bool, False, "cuda backend: log every Triton JIT compile (kernel, "
     "seconds, specialization; kernels/cuda/compile_log.py): a compile inside a step stalls it for seconds", "bool")

@@ -9,7 +9,8 @@ kernels/torch_ref/kda.py.
   terms (`chunk_terms`: intra-chunk scores and triangular solves, batched torch over every chunk) are
   consumed by one program per (batch x head, value tile) that keeps its [dk, BV] state tile in registers
   and walks the chunks in order: U = U0 - W S, o = Qd S + P U, S <- decay * S + Kd^T U (four dots per
-  chunk) — one launch instead of ~8 torch launches per 64-token chunk. fp32 operands; the dots run as
+  chunk) — one launch per batch of chunks (kda_chunked's byte budget: ~19 for an 8k-token prompt at GLM-5.3-
+  Flash's 64 heads) instead of ~8 torch launches per 64-token chunk. fp32 operands; the dots run as
   3xTF32 (`tf32x3`: tensor cores at about fp32 accuracy; the interpreter computes them in fp32).
 """
 from __future__ import annotations

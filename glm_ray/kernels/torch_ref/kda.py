@@ -123,7 +123,9 @@ def chunk_scan(t: ChunkTerms, S: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     return S
 
 
-_TERMS_BYTES = 256 << 20   # chunks per batch of `chunk_terms`: its transients (intra scores) within this
+# chunks per batch of `chunk_terms`: their transients within this (GLM-5.3-Flash, 64 heads of 128 at TP1: ~72 MB a
+# chunk per sequence, so 7 chunks a batch, ~19 batches for an 8k-token prompt; each batch one scan launch)
+_TERMS_BYTES = 512 << 20
 
 
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -159,7 +161,9 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     S = (torch.zeros(B * H, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
          else initial_state.float().reshape(B * H, dk, dv).clone())           # [N, dk, dv]
     o = torch.empty(B * H, n, C, dv, dtype=torch.float32, device=q.device)
-    per_chunk = B * H * C * (3 * (sub + C // sub) * dk + 4 * C + 6 * (dk + dv)) * 4   # ~ transients, bytes
+    # bytes a chunk holds while its terms are built: the intra scores' [C/sub, C, dk] + [sub, sub, dk] decays per
+    # row (x1.5 for their temporaries), its terms (W, U0, Qd, Kd, P), the solve's right-hand side and solution
+    per_chunk = B * H * C * (3 * (sub + C // sub) * dk // 2 + 3 * dk + dv + C + 2 * (dk + dv) + 2 * dk) * 4
     step = max(1, min(n, max_bytes // per_chunk))
     for c0 in range(0, n, step):                                              # one pass at most contexts
         c1 = min(n, c0 + step)
