@@ -16,6 +16,11 @@ Chunked form (chunk of C rows, state S0 at its start, G = inclusive cumsum of g 
     o       = (q*exp(G)) S0 + P U,   P[t, s] = sum_c q_t[c] k_s[c] exp(G_t[c] - G_s[c])  (s <= t)
     S_end   = exp(G_last) * S0 + (k*exp(G_last - G))^T U
 
+Only S is sequential: A, P, the solve (W = (I + A)^-1 beta*k*exp(G), U0 = (I + A)^-1 beta*v) and the decayed
+q / k terms depend on the chunk alone, so `chunk_terms` builds them for a batch of chunks at once and
+`chunk_scan` carries S through them (U = U0 - W S, then o and S_end as above: four matmuls a chunk; the cuda
+backend's `kda_chunk_scan` kernel has the same contract).
+
 The decay-weighted scores A and P never form exp(+x): the chunk is split into sub-blocks; pairs in
 different sub-blocks factor through the cumulative decay at the row block's start (both factors
 <= 1), pairs inside one sub-block use the elementwise form. So any g <= 0 is safe in fp32.
