@@ -1,6 +1,6 @@
 """Case builders shared by the cuda-backend tests (CPU interpreter + GPU) and scripts/bench_kernels.py:
 checkpoint-format expert weights (per-half block-FP8 scales, packed MXFP4) with the padding layout of
-quant_contracts.md §4.6, routings, the error metrics, and (tests only) the interpreted Triton module
+quant_contracts.md §4.6, routings, chunked-KDA inputs, the error metrics, and (tests only) the interpreted Triton module
 fixture body. Pure torch at import; Triton and pytest only inside `interpreted`.
 """
 from __future__ import annotations
@@ -124,3 +124,13 @@ def dense_fp8_case(m: int, n: int, k: int, *, device="cpu", dtype=torch.bfloat16
     wq, ws = quant_weight_block(w)
     x = torch.randn(m, k, generator=g, device=device).to(dtype)
     return x, wq, ws
+
+
+def kda_case(B: int, L: int, H: int, dk: int, dv: int, seed: int):
+    """Chunked-KDA inputs (kernels/torch_ref/kda.py's layout): q, k [B, L, H, dk], v [B, L, H, dv], log-decay gate
+    in (-5, 0) [B, L, H, dk] (GLM-5.3-Flash's lower bound), beta in (0, 1) [B, L, H], a state [B, H, dk, dv]."""
+    g = torch.Generator().manual_seed(seed)
+    def r(*s):
+        return torch.randn(*s, generator=g)
+    gate = -5.0 * torch.sigmoid(r(B, L, H, dk))
+    return r(B, L, H, dk), r(B, L, H, dk), r(B, L, H, dv), gate, torch.sigmoid(r(B, L, H)), 0.5 * r(B, H, dk, dv)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from glm_ray import kernels
 from glm_ray.kernels.torch_ref.kda import kda_recurrent
+from tests.kernels.cases import kda_case
 
 SLOTS = torch.tensor([3, 0, 5])
 FRESH = torch.tensor([False, True, False])
@@ -77,19 +78,11 @@ def test_swiglu(limit):
 
 # ---- the chunked form's split: state-free terms batched over chunks, then the scan (torch and Triton) ----
 
-def _kda_inputs(B, L, H, dk, dv, seed):
-    g = torch.Generator().manual_seed(seed)
-    def r(*s):
-        return torch.randn(*s, generator=g)
-    gate = -5.0 * torch.sigmoid(r(B, L, H, dk))
-    return r(B, L, H, dk), r(B, L, H, dk), r(B, L, H, dv), gate, torch.sigmoid(r(B, L, H)), 0.5 * r(B, H, dk, dv)
-
-
 def test_chunk_batches_do_not_change_the_result():
     """kda_chunked computes the chunks' terms for as many chunks at once as its byte budget allows: one chunk per
     batch (max_bytes=1) and all at once give the same outputs and state, and both equal the token recurrence."""
     from glm_ray.kernels.torch_ref.kda import kda_chunked, kda_recurrent
-    q, k, v, g, beta, s0 = _kda_inputs(2, 150, 3, 16, 8, 5)
+    q, k, v, g, beta, s0 = kda_case(2, 150, 3, 16, 8, 5)
     o_all, s_all = kda_chunked(q, k, v, g, beta, s0)
     o_one, s_one = kda_chunked(q, k, v, g, beta, s0, max_bytes=1)
     torch.testing.assert_close(o_one, o_all, rtol=1e-6, atol=1e-6)

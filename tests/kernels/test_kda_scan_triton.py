@@ -21,20 +21,13 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRI
 from glm_ray import kernels  # noqa: E402
 from glm_ray.kernels.cuda.kda import kda_chunk_scan  # noqa: E402
 from glm_ray.kernels.torch_ref.kda import chunk_scan, chunk_terms, kda_chunked, kda_chunked_cached  # noqa: E402
-
-
-def _inputs(B, L, H, dk, dv, seed):
-    g = torch.Generator().manual_seed(seed)
-    def r(*s):
-        return torch.randn(*s, generator=g)
-    gate = -5.0 * torch.sigmoid(r(B, L, H, dk))
-    return r(B, L, H, dk), r(B, L, H, dk), r(B, L, H, dv), gate, torch.sigmoid(r(B, L, H)), 0.5 * r(B, H, dk, dv)
+from tests.kernels.cases import kda_case  # noqa: E402
 
 
 @pytest.mark.parametrize("dk,dv,L", [(16, 8, 150), (32, 40, 64), (128, 128, 130)])
 def test_triton_scan_equals_the_torch_scan(dk, dv, L):
     """dv not a multiple of the value tile included (40); 130 rows = three chunks, the last one padded."""
-    q, k, v, g, beta, s0 = _inputs(2, L, 2, dk, dv, dk + L)
+    q, k, v, g, beta, s0 = kda_case(2, L, 2, dk, dv, dk + L)
     o_ref, s_ref = kda_chunked(q, k, v, g, beta, s0, max_bytes=1 << 20)
     o_got, s_got = kda_chunked(q, k, v, g, beta, s0, scan=kda_chunk_scan, max_bytes=1 << 20)
     torch.testing.assert_close(o_got, o_ref, rtol=1e-5, atol=1e-5)
@@ -44,7 +37,7 @@ def test_triton_scan_equals_the_torch_scan(dk, dv, L):
 def test_scan_writes_a_chunk_range_view_and_returns_the_state():
     """The contract kda_chunked relies on: o may be a chunk-range view of a larger output (only its chunks are
     written) and the returned state is the one after the range's last chunk."""
-    q, k, v, g, beta, _ = _inputs(1, 256, 2, 16, 16, 3)
+    q, k, v, g, beta, _ = kda_case(1, 256, 2, 16, 16, 3)
     N, n, C = 2, 4, 64
     def prep(x):
         return x.float().transpose(1, 2).reshape(N, n, C, x.shape[-1])
@@ -66,7 +59,7 @@ def test_cuda_backend_op_on_cpu_is_the_reference(monkeypatch):
     monkeypatch.setenv("GLM_RAY_CUDA_KDA_SCAN", "triton")
     ck = kernels.init_backend("cuda")
     try:
-        q, k, v, g, beta, _ = _inputs(2, 70, 2, 16, 8, 11)
+        q, k, v, g, beta, _ = kda_case(2, 70, 2, 16, 8, 11)
         state = torch.randn(4, 2, 16, 8)
         slots, fresh = torch.tensor([2, 0]), torch.tensor([False, True])
         s_ref, s_got = state.clone(), state.clone()
