@@ -84,7 +84,7 @@ def compare(lifetimes: list[Lifetime], metrics: tuple[str, ...] = METRICS,
         means = {s: fmean(v) for s, v in by.items()}
         spreads = {s: max(v) - min(v) for s, v in by.items()}
         a, b = means[settings[0]], means[settings[1]]
-        delta = (b - a) / a * 100.0 if a else None
+        delta = _pct(a, b)
         several = all(len(v) > 1 for v in by.values())
         clear = (abs(b - a) > max(spreads.values())) if several else None
         rows.append(Row(c, m, [lt.values.get((c, m)) for lt in lifetimes], means, spreads, delta, clear,
@@ -100,9 +100,15 @@ def _paired(lifetimes: list[Lifetime], settings: list[str], key: tuple[int, str]
         if a.label == b.label or key not in a.values or key not in b.values:
             continue
         base, other = (a, b) if a.label == settings[0] else (b, a)
-        if base.values[key]:
-            out.append((other.values[key] - base.values[key]) / base.values[key] * 100.0)
+        d = _pct(base.values[key], other.values[key])
+        if d is not None:
+            out.append(d)
     return out
+
+
+def _pct(base: float, other: float) -> float | None:
+    """`other` against `base` in percent (None when base is 0)."""
+    return (other - base) / base * 100.0 if base else None
 
 
 def format_rows(lifetimes: list[Lifetime], settings: list[str], rows: list[Row], fmt: str = "text") -> str:

@@ -149,6 +149,7 @@ class CudaKernels:
         self.small_m = min(envs.CUDA_FP8_SMALL_M.get(), 64) if self.tk is not None else 0   # fp8_small_m.MAX_M
         self.moe_decode_pairs = envs.CUDA_MOE_DECODE_PAIRS.get() if self.tk is not None else 0
         self.moe_prefill_rows = envs.CUDA_MOE_PREFILL_ROWS.get() if self.tk is not None else 0
+        self.kda_scan = envs.CUDA_KDA_SCAN.get()                     # "triton" | "torch" (kda_chunked)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def _warn_once(self, key: str, msg: str, *args, level=logging.WARNING) -> None:
@@ -464,7 +465,7 @@ class CudaKernels:
         """The chunks' state-free terms batched in torch, then (GLM_RAY_CUDA_KDA_SCAN=triton) one Triton launch
         for the sequential part instead of the reference's loop over chunks."""
         args = (q, k, v, g, beta, state, slots, fresh)
-        if envs.CUDA_KDA_SCAN.get() != "triton":
+        if self.kda_scan != "triton":
             return ref_kda_chunked(*args)
         dk = k.shape[-1]
         reason = (self._gpu_reason(q, 80, need_triton=True, op="kda_chunked")
