@@ -95,6 +95,8 @@ def _kda_scan_kernel(w_ptr, u0_ptr, qd_ptr, p_ptr, kd_ptr, dec_ptr, s_ptr, o_ptr
 
 SCAN_BV = 32          # value columns per program: N x dv / 32 programs (64 heads x 4 at GLM-5.3-Flash, dv 128)
 SCAN_WARPS = 8        # the four [C, dk] / [dk, BV] fp32 operands of a chunk in registers
+SCAN_STAGES = 2       # the chunk loop's loads double-buffered: 152 KiB of shared memory at C 64, dk 128 (Triton's
+                      # default 3 stages need 272 KiB, over the H100/H200's 227 KiB: OutOfResources on the GPU)
 
 
 def kda_chunk_scan(t, S: torch.Tensor, o: torch.Tensor, precision: str = "tf32x3") -> torch.Tensor:
@@ -109,5 +111,6 @@ def kda_chunk_scan(t, S: torch.Tensor, o: torch.Tensor, precision: str = "tf32x3
     S = S.contiguous()
     BV = min(SCAN_BV, max(16, triton.next_power_of_2(DV)))
     _kda_scan_kernel[(N, triton.cdiv(DV, BV))](w, u0, qd, p, kd, dec, S, o, M, DV, o.stride(0), o.stride(1),
-                                               C=C, DK=DK, BV=BV, PREC=precision, num_warps=SCAN_WARPS)
+                                               C=C, DK=DK, BV=BV, PREC=precision, num_warps=SCAN_WARPS,
+                                               num_stages=SCAN_STAGES)
     return S
