@@ -1,7 +1,8 @@
 """Issue #19's ratio: served ITL (a `glm-ray bench --output-file` JSONL) vs the offline decode step
 (a `bench.offline --json` JSONL) at the same batch = concurrency, one line per C. With the server's log
 (third argument), also the engine's own ITL from its stats lines ("ITL in the engine X ms mean, N tokens"; a
-window counts for the smallest bench C at or above its "running" count, weighted by its tokens), which splits the ratio into its two factors: served / engine ITL (what the path
+window counts for the smallest bench C at or above its "running" count and its decode median's batch, never a C
+the bench ran before the previous window's, weighted by its tokens), which splits the ratio into its two factors: served / engine ITL (what the path
 after the engine adds: the loop, the Router, Serve's streaming) and engine ITL / offline step (what the
 prefill steps interleaved with the decodes add).
 
@@ -12,23 +13,30 @@ import re
 import sys
 
 _LINE = re.compile(r"engine: prompt .*?running (\d+),.*?ITL in the engine ([\d.]+) ms mean \([\d.]+ median\), (\d+) tokens")
+_BATCH = re.compile(r"decode steps: [\d.]+ ms median at batch (\d+)")
 
 
 def engine_itl_by_concurrency(log_path: str, concurrencies: list[int]) -> dict[int, float]:
-    """The engine's ITL per bench concurrency: each stats window goes to the smallest C >= its `running` count
-    (a window's count is a snapshot: between a C's waves it reads less than C), and a C's ITL is the mean of
-    its windows' means weighted by their token counts (ms)."""
-    cs = sorted(concurrencies)
+    """The engine's ITL per bench concurrency, `concurrencies` in the order the bench ran them: each stats window
+    goes to the first C (in that order, from the previous window's on) at or above both its `running` count and
+    the batch of its decode median (`running` is a snapshot: between a C's waves, and in the drain after its last
+    one, it reads less than C; the windows come in time order, so one cannot belong to a C that ran before the
+    previous window's), and a C's ITL is the mean of its windows' means weighted by their token counts (ms)."""
+    order = list(concurrencies)
     acc: dict[int, list[tuple[float, int]]] = {}
+    at = 0                                          # index in `order` of the previous window's C
     with open(log_path, errors="replace") as f:
         for line in f:
             m = _LINE.search(line)
             if not m:
                 continue
             running, itl, n = int(m.group(1)), float(m.group(2)), int(m.group(3))
-            c = next((c for c in cs if c >= running), None)
-            if c is not None and n:
-                acc.setdefault(c, []).append((itl, n))
+            b = _BATCH.search(line)
+            need = max(running, int(b.group(1)) if b else 0)
+            i = next((i for i in range(at, len(order)) if order[i] >= need), None)
+            if i is not None and n:
+                at = i
+                acc.setdefault(order[i], []).append((itl, n))
     return {c: sum(i * n for i, n in v) / sum(n for _, n in v) for c, v in acc.items()}
 
 
@@ -44,7 +52,7 @@ def main(served_path: str, offline_path: str, log_path: str | None = None) -> No
             line = (f"C={c}: served ITL mean {itl:.2f} / median {med:.2f} ms, offline decode step {step:.2f} ms, "
                     f"ratio mean {itl / step:.3f} median {med / step:.3f}")
             if c in eng:
-                line += (f"; engine ITL {eng[c]:.2f} ms (token-weighted, windows running <= {c}): served / engine "
+                line += (f"; engine ITL {eng[c]:.2f} ms (token-weighted over its stats windows): served / engine "
                          f"{itl / eng[c]:.3f}, engine / offline step {eng[c] / step:.3f}")
             print(line)
 

@@ -46,3 +46,20 @@ def test_main_prints_both_factors(tmp_path, capsys):
     sr.main(str(served), str(offline), str(log))
     out = capsys.readouterr().out
     assert "ratio mean 1.100" in out and "served / engine 1.015" in out and "engine / offline step 1.083" in out
+
+
+def test_a_drain_window_stays_with_the_concurrency_that_ran_it(tmp_path):
+    """After the last C=64 wave the snapshot reads `running 1`, but its decode median ran at batch 64 and the bench
+    ran C=1 first: the window is C=64's, not C=1's (session 36's H100 run gave C=1 an engine ITL of 18 ms so)."""
+    log = tmp_path / "serve.log"
+    log.write_text("".join([
+        _stats(1, 5.0, 500),
+        _stats(16, 12.0, 500),
+        _stats(64, 20.0, 1000),
+        _stats(1, 18.0, 1000).replace("at batch 1 ", "at batch 64 "),
+        _stats(1, 30.0, 10),           # a lone straggler later still: not C=1's either
+    ]))
+    eng = sr.engine_itl_by_concurrency(str(log), [1, 16, 64])
+    assert eng[1] == pytest.approx(5.0)
+    assert eng[16] == pytest.approx(12.0)
+    assert eng[64] == pytest.approx((20.0 * 1000 + 18.0 * 1000 + 30.0 * 10) / 2010)
