@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -95,11 +96,33 @@ def _url_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
+def _throughput_optimized(a, sa) -> int:
+    """Ray Serve's throughput-optimized mode for the local Ray `cmd_serve` starts: the variables every Ray process
+    reads at import (so set before the first ray import), the ingress replica's HTTP port = --port (Ray allocates
+    direct-ingress ports from [RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, ..._MAX_HTTP_PORT)), and replica logs kept on the console as
+    in the default mode. Returns the free port Serve's proxy (still started on the head node) moves to."""
+    if a.address:
+        raise SystemExit("--throughput-optimized configures the local Ray; on a cluster set "
+                         "RAY_SERVE_THROUGHPUT_OPTIMIZED=1 and RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT on every node")
+    if sa.ingress_replicas != 1:
+        raise SystemExit("--throughput-optimized serves --port from the one ingress replica: --ingress-replicas 1")
+    os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+    # the replica's port range [min, max) = exactly --port: taken, the deployment fails with NoAvailablePortError
+    # instead of serving on a port nobody was told about
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = str(a.port)
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(a.port + 1)
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "1")
+    with socket.socket() as s:                    # a free port for the proxy, off the replica's
+        s.bind((a.host, 0))
+        return s.getsockname()[1]
+
+
 def cmd_serve(a) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     app_args = serve_app_args(a)
     sa = ServeArgs.from_dict(app_args)          # bad flags fail here, before Ray starts
     loopback = not a.address and _is_loopback(a.ray_node_ip)
+    proxy_port = _throughput_optimized(a, sa) if a.throughput_optimized else a.port
     # the proxy's request-id guard (serve/proxy_middleware.py), read by the proxy actor Ray starts here
     os.environ.setdefault(proxy_middleware.ENV, proxy_middleware.IMPORT_PATH)
     if loopback:
@@ -128,7 +151,7 @@ def cmd_serve(a) -> int:
                  _system_config={"metrics_report_interval_ms": a.metrics_report_interval_ms})
     signal.signal(signal.SIGTERM, _raise_interrupt)     # `kill PID` stops as cleanly as Ctrl-C
     try:
-        serve.start(http_options={"host": a.host, "port": a.port})
+        serve.start(http_options={"host": a.host, "port": proxy_port})
         serve.run(build_app(app_args), name="glm-ray", route_prefix="/", blocking=False)
         url = f"http://{_url_host(a.host)}:{a.port}"
         metrics_host = _url_host(a.ray_node_ip) if not a.address else "<each node>"
@@ -141,6 +164,8 @@ def cmd_serve(a) -> int:
         print(f"\nglm-ray {__version__} is serving model {sa.model_name()!r} "
               f"(from {sa.model!r}, tp={sa.tp}; clients send \"model\": \"{sa.model_name()}\")\n"
               f"  OpenAI API : {url}/v1   (bound to {a.host}; e.g. curl {url}/v1/models)\n"
+              + (f"  serving    : throughput-optimized: the ingress replica on :{a.port} (direct ingress), "
+                 f"Serve's proxy on :{proxy_port}\n" if a.throughput_optimized else "") +
               f"  API key    : {auth}\n"
               f"  metrics    : http://{metrics_host}:{a.metrics_port}/metrics   (grep ray_glm_ray)\n"
               f"  logs       : {logs}   (serve/ = the app's replicas)\n"
@@ -191,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="join an existing Ray cluster (e.g. 127.0.0.1:6379, or auto) instead of starting one")
     p.add_argument("--num-cpus", type=int, default=None,
                    help="CPUs the local Ray may schedule on (default: all of this machine's)")
+    p.add_argument("--throughput-optimized", action="store_true",
+                   help="Ray Serve's throughput-optimized mode (Ray 2.60, RAY_SERVE_THROUGHPUT_OPTIMIZED=1; "
+                        "experimental there): the ingress replica serves HTTP itself on --port (direct "
+                        "ingress: Serve's proxy no longer relays every chunk and moves to a free port), "
+                        "deployments call each other over gRPC, replica code runs on its event loop, GC is "
+                        "frozen after start. A local Ray with one ingress replica only; on a cluster set the "
+                        "variables on every node (README, 'Serving')")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="offline generation with the LLM API (no server)",

@@ -8,6 +8,8 @@
 #   ingress2  --ingress-replicas 2
 #   batch50   --stream-batching-interval-ms 50 (Ray Serve LLM's stream batching)
 #   direct    RAY_SERVE_ENABLE_DIRECT_INGRESS=1 (Ray 2.60, experimental), the bench at the ingress replica's port 30000
+#   throughput  RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Ray 2.60's bundle: direct ingress, gRPC between deployments, user
+#             code on the replica's event loop, request-path log buffering, GC frozen after start), port 30000
 # Defaults: the tiny model on CPU, ORDER="base direct direct base", input 128, output 64, C = 16. On a GPU e.g.
 # MODEL=<glm5-flash-31b fp8 dummy dir> SERVE_FLAGS="--load-format dummy --device cuda --dtype bfloat16
 # --max-model-len 4096 --kv-cache-memory-gb 24" IN=1024 OUTL=256 CS=64 ORDER="base ingress2 direct direct ingress2 base".
@@ -25,6 +27,7 @@ for v in $ORDER; do
     ingress2) flags="--ingress-replicas 2" ;;
     batch50) flags="--stream-batching-interval-ms 50" ;;
     direct) env="RAY_SERVE_ENABLE_DIRECT_INGRESS=1"; port=30000 ;;
+    throughput) env="RAY_SERVE_THROUGHPUT_OPTIMIZED=1"; port=30000 ;;
     *) echo "unknown variant $v" >&2; exit 2 ;;
   esac
   env $env GLM_RAY_LOG_STATS_INTERVAL_S=${STATS_S:-5} $GLMRAY serve $MODEL $SERVE_FLAGS $flags --max-num-seqs 64 \

@@ -19,7 +19,7 @@ from glm_ray.serve.args import APP, ENGINE, ServeArgs
 GiB = 2**30
 #: flags of `glm-ray serve` that are not app settings (the local Ray, the HTTP bind)
 SERVE_CLI_ONLY = {"help", "host", "port", "metrics_port", "metrics_report_interval_ms", "ray_node_ip", "address",
-                  "num_cpus"}
+                  "num_cpus", "throughput_optimized"}
 #: flags of `glm-ray generate` that are not engine settings (the prompts and their sampling)
 GENERATE_CLI_ONLY = {"help", "prompt", "chat", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos"}
 
