@@ -7,7 +7,8 @@
 # 1024-token prefix x 8 questions of 32, output 16, C=4. On a GPU: MODEL=<dir> EXTRA="--load-format dummy --device
 # cuda" GSP="--gsp-num-groups 32 --gsp-prompts-per-group 16 --gsp-system-prompt-len 2048 --gsp-question-len 128
 # --gsp-output-len 128" C=16. LIM (s, default 900) bounds the whole script: a run that would start past LIM - RUN_S
-# (default 120) is skipped and said so.
+# (default 120) is skipped and said so. DI_ENV="RAY_SERVE_THROUGHPUT_OPTIMIZED=1" serves in Ray Serve's whole
+# throughput-optimized mode instead (direct ingress + gRPC between deployments + ...; also on port 30000).
 #   bash scripts/direct_ingress_ab.sh        (results under ${OUT:-results/direct-ingress})
 set -uo pipefail
 OUT=${OUT:-results/direct-ingress}; mkdir -p $OUT; PORT=${PORT:-8100}; C=${C:-4}; DI=30000
@@ -16,7 +17,7 @@ GSP=${GSP:---gsp-num-groups 8 --gsp-prompts-per-group 8 --gsp-system-prompt-len 
 T0=$(date +%s); seed=200
 for mode in ${MODES:-on off}; do
   flag=""; [ $mode = off ] && flag=--no-enable-prefix-caching
-  RAY_SERVE_ENABLE_DIRECT_INGRESS=1 $GLMRAY serve $MODEL $EXTRA $flag --port $PORT --metrics-port $((PORT + 1)) \
+  env ${DI_ENV:-RAY_SERVE_ENABLE_DIRECT_INGRESS=1} $GLMRAY serve $MODEL $EXTRA $flag --port $PORT --metrics-port $((PORT + 1)) \
     > $OUT/serve_$mode.log 2>&1 &
   server=$!
   for i in $(seq 1 150); do
