@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 import requests
 
 from glm_ray import cli
+from tests.cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXED = {"ignore_eos": True}
@@ -43,15 +43,9 @@ def test_flag_refuses_what_it_cannot_serve(argv, message, monkeypatch):
     assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in os.environ
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def optimized_server(tmp_path_factory):
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()     # never the same port twice (tests/cluster.py)
     log = tmp_path_factory.mktemp("throughput-optimized") / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}     # not the session's cluster
     env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
