@@ -36,9 +36,9 @@ for v in $ORDER; do
   for t in $(seq 1 150); do curl -sf 127.0.0.1:$port/v1/models > /dev/null && break; sleep 2; done
   # a discarded warm-up at the first C (first-use costs stay out of the measured run)
   $GLMRAY bench --base-url http://127.0.0.1:$port --dataset-name random --random-input-len $IN --random-output-len 8 \
-    --random-range-ratio 1 --max-concurrency ${CS%% *} --num-prompts ${CS%% *} --seed 7 --no-progress > /dev/null 2>&1
+    --random-range-ratio 1 --max-concurrency ${CS%% *} --num-prompts ${CS%% *} --seed 7 --no-progress --no-plot > /dev/null 2>&1
   $GLMRAY bench --base-url http://127.0.0.1:$port --dataset-name random --random-input-len $IN --random-output-len $OUTL \
-    --random-range-ratio 1 --max-concurrency $CS $NP --tag variant=$v --output-file $OUT/l${i}_$v.jsonl --no-progress \
+    --random-range-ratio 1 --max-concurrency $CS $NP --tag variant=$v --output-file $OUT/l${i}_$v.jsonl --no-progress --no-plot \
     > $OUT/bench_$i.txt 2>&1
   files="$files $OUT/l${i}_$v.jsonl"
   kill $server; wait $server 2>/dev/null; ray stop --force > /dev/null 2>&1; sleep 2

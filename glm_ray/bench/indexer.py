@@ -11,7 +11,10 @@ achievable HBM read rate).
 --prefill B x L times the prefill path (`indexer_prefill_topk`: a row per query token of B fresh
 L-token prompts, causal) against the torch reference `indexer_topk`, eagerly (CUDA events, median of
 --iters, L2 warm): useful TFLOPS = B * L(L+1)/2 * Hi * di * 2 / time, beside the 989 TFLOPS BF16 peak
-(an fp32 query, `--qi-dtype float32`, runs as 3 bf16 dots, so the tensor cores do 3x that work).
+(an fp32 query, `--qi-dtype float32`, runs as 3 bf16 dots, so the tensor cores do 3x that work). Beside it,
+interleaved in 3 rounds (best of each): the index list + the sparse MLA prefill's bitmap kernel
+(`idx_bits_us`, the path before `SelectionBits`) vs the bitmap written by the top-k (`bits_us`), and their
+ratio (`bits_gain`); the two bitmaps are checked equal first.
 
 --topk-only times the top-k alone (`select_topk` on random fp32 scores [B, context], every row full):
 the Triton radix select (kernels/cuda/topk.py) against torch.topk, same timing method.
@@ -114,7 +117,8 @@ def run_topk(batches: list[int], contexts: list[int], *, topk: int = 2048, iters
     return rows
 
 
-PREFILL_COLS = ["B", "L", "rows", "us", "TFLOPS", "peak_ratio", "ref_us", "speedup"]
+PREFILL_COLS = ["B", "L", "rows", "us", "TFLOPS", "peak_ratio", "ref_us", "speedup", "idx_bits_us", "bits_us",
+                "bits_TFLOPS", "bits_gain"]
 
 
 @torch.inference_mode()
@@ -122,6 +126,7 @@ def run_prefill(shapes: list[tuple[int, int]], *, heads: int = 32, head_dim: int
                 topk: int = 2048, iters: int = 10, qi_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """`indexer_prefill_topk` vs the torch reference on B fresh L-token prompts (one prefill group)."""
     K = _kernels()
+    from glm_ray.kernels.cuda import mla_prefill as mp  # noqa: PLC0415 - lazy: triton only when benchmarking
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
@@ -133,13 +138,30 @@ def run_prefill(shapes: list[tuple[int, int]], *, heads: int = 32, head_dim: int
         qi = torch.randn(B * L, heads, head_dim, generator=g, device=dev).to(qi_dtype)
         w = torch.randn(B * L, heads, generator=g, device=dev) * heads ** -0.5
         (group,) = build_forward_batch([L] * B, [L] * B, tables, block_size, dev).groups
-        t = eager_us(partial(K.indexer_prefill_topk, qi, w, key_cache, group, topk, max_bytes=SCORE_BYTES), iters)
+        index = partial(K.indexer_prefill_topk, qi, w, key_cache, group, topk, max_bytes=SCORE_BYTES)
+        # what the sparse MLA prefill read before the bitmap form: the index list, then its bitmap kernel
+        plan = mp.prefill_plan(group.block_table, group.context_lens, group.query_lens, group.token_index,
+                               group.block_size, group.max_context_len, block_m=128, block_n=64,
+                               chunk=group.max_context_len)
+        bits_ok = L <= K.radix_topk.BITS_MAX_KEYS and K.TOPK_IMPL == "triton"
+        if bits_ok:
+            assert torch.equal(index(bits=True).bits, mp.selection_bits(index(), plan)), "bitmap != the index picks"
+        ts = {"us": [], "idx_bits_us": [], "bits_us": []}
+        for _ in range(3):                                                   # the forms interleaved, 3 rounds
+            ts["us"].append(eager_us(index, iters))
+            if bits_ok:
+                ts["idx_bits_us"].append(eager_us(lambda: mp.selection_bits(index(), plan), iters))
+                ts["bits_us"].append(eager_us(partial(index, bits=True), iters))
+        t, t_ib, t_b = (min(v) if v else float("nan") for v in ts.values())
         t_ref = eager_us(partial(ref_topk, qi, w, key_cache, group, topk), max(2, iters // 3))
-        tflops = B * L * (L + 1) / 2 * heads * head_dim * 2 / (t * 1e-6) / 1e12
+        flop = B * L * (L + 1) / 2 * heads * head_dim * 2
+        tflops = flop / (t * 1e-6) / 1e12
         rows.append({"bench": "indexer_prefill", "B": B, "L": L, "rows": B * L, "heads": heads, "head_dim": head_dim,
                      "topk": topk, "topk_impl": K.TOPK_IMPL, "qi_dtype": str(qi_dtype).removeprefix("torch."),
                      "us": t, "TFLOPS": tflops,
-                     "peak_ratio": tflops / PEAK_BF16_TFLOPS, "ref_us": t_ref, "speedup": t_ref / t})
+                     "peak_ratio": tflops / PEAK_BF16_TFLOPS, "ref_us": t_ref, "speedup": t_ref / t,
+                     "idx_bits_us": t_ib, "bits_us": t_b, "bits_TFLOPS": flop / (t_b * 1e-6) / 1e12,
+                     "bits_gain": t_ib / t_b})
         del key_cache, qi, w, group
     return rows
 

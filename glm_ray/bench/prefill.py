@@ -22,6 +22,9 @@ requests in the same diff. Per row:
   quantized linears at the measured block-FP8 rate (`MEASURED_FP8_TFLOPS`), the rest at bf16; `floor_ms`
   is the one of the checkpoint's format and ratio_wall / ratio_device divide by it. Issue #20's target:
   ratio_wall <= 2 at 8 x 1k and above.
+`--prefill-selection bits indices` runs each (shape, mode) with the cuda backend's DSA selection in both forms
+in turn (the `selection` column): the indexer's top-k writing the sparse MLA prefill's bitmap (the default) or
+an index list the prefill kernel converts.
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ from glm_ray.engine.contract import ModelRunnerOutput, NewRequestData, Scheduled
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.worker.worker import Worker
 
-ROW_COLS = ["model", "quant", "mode", "batch", "length", "step_ms", "host_ms", "device_ms", "floor_ms", "ratio_wall",
+ROW_COLS = ["model", "quant", "mode", "selection", "batch", "length", "step_ms", "host_ms", "device_ms", "floor_ms", "ratio_wall",
             "ratio_device", "tflops_wall", "floor_bf16_ms", "floor_fp8_ms"]
 
 
@@ -197,9 +200,12 @@ def run_case(worker: Worker, *, model: str, quant: str, batch: int, length: int,
 def run(models: list[str], shapes: list[tuple[int, int]], *, steps: int = 3, quant: str = "fp8",
         device: str = "auto", dtype: str = "auto", warmup: int = 1, profile_steps: int = 2, profile_top: int = 12,
         block_size: int = 16, seed: int = 0, verbose: bool = True, modes: tuple[str, ...] = ("eager", "piecewise"),
-        piecewise_max_tokens: int = 8192, trace: str | None = None) -> list[dict]:
-    """Every (model, shape, mode) row; one engine per model, its KV cache sized for the largest shape; the
-    modes of a shape run back to back in that engine."""
+        piecewise_max_tokens: int = 8192, trace: str | None = None,
+        selections: tuple[str, ...] = ("bits",)) -> list[dict]:
+    """Every (model, shape, mode, selection) row; one engine per model, its KV cache sized for the largest
+    shape; the modes of a shape run back to back in that engine, and within a mode the DSA selection forms
+    (`selections`: "bits" — the indexer's top-k writes the sparse MLA prefill's bitmap, the cuda default —
+    or "indices" — an index list the prefill kernel turns into its bitmap; an in-process A/B on the GPU)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
@@ -215,16 +221,27 @@ def run(models: list[str], shapes: list[tuple[int, int]], *, steps: int = 3, qua
                   f"captured in {pieces.capture_s:.1f} s")
         for B, L in shapes:
             for mode in modes:
-                row = run_case(worker, model=model, quant=quant, batch=B, length=L, steps=steps, warmup=warmup,
-                               profile_steps=profile_steps, profile_top=profile_top, seed=seed, mode=mode,
-                               trace=trace)
-                rows.append(row)
-                if verbose:
-                    print_rows([row], ROW_COLS, width=13)
-                    print_ops(row)
+                for sel in selections:
+                    _set_selection(device, sel)
+                    row = run_case(worker, model=model, quant=quant, batch=B, length=L, steps=steps, warmup=warmup,
+                                   profile_steps=profile_steps, profile_top=profile_top, seed=seed, mode=mode,
+                                   trace=trace)
+                    row["selection"] = sel
+                    rows.append(row)
+                    if verbose:
+                        print_rows([row], ROW_COLS, width=13)
+                        print_ops(row)
+        _set_selection(device, "bits")
         del worker
         release(device)
     return rows
+
+
+def _set_selection(device: str, form: str) -> None:
+    """The cuda backend's prefill DSA selection form (kernels/cuda/ops.py `PREFILL_BITS`); other backends have one."""
+    if str(device).startswith("cuda"):
+        from glm_ray.kernels.cuda import ops  # noqa: PLC0415 - the cuda backend, only on a GPU
+        ops.PREFILL_BITS = form == "bits"
 
 
 def _shape(s: str) -> tuple[int, int]:
@@ -258,12 +275,15 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also append the rows to this JSONL file")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="write each row's profiled steps as a Chrome trace into DIR")
+    p.add_argument("--prefill-selection", nargs="+", choices=["bits", "indices"], default=["bits"],
+                   help="the DSA selection form(s) the cuda prefill runs, each shape in each form in turn (A/B)")
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps must be >= 1")
     rows = run(a.models, a.shape, steps=a.steps, quant=a.quant, device=a.device, dtype=a.dtype, warmup=a.warmup,
                profile_steps=a.profile_steps, profile_top=a.profile_top, block_size=a.block_size, seed=a.seed,
-               modes=tuple(a.modes), piecewise_max_tokens=a.piecewise_max_tokens, trace=a.trace)
+               modes=tuple(a.modes), piecewise_max_tokens=a.piecewise_max_tokens, trace=a.trace,
+               selections=tuple(a.prefill_selection))
     print()
     print_rows(rows, ROW_COLS, width=13)
     append_rows(a.json, rows)

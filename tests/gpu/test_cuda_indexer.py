@@ -163,3 +163,49 @@ def test_indexer_prefill_matches_engine_reference(monkeypatch, impl):
                 checked += 1
             assert bool((got[b][~valid[b]] == -1).all())
     assert checked == sum(qlens)
+
+
+def test_prefill_bits_through_cuda_kernels_equal_the_index_path(monkeypatch):
+    """`CudaKernels.indexer_topk` on a naive-form prefill group returns `SelectionBits` (written by
+    `topk_bits`) holding exactly the index path's picks (`bits=False`: the radix top-k of the same scores),
+    and `CudaKernels.mla_prefill` takes it with no reference fallback: its output equals the index path's
+    bit for bit (GLM-5 shapes: contexts below and above top-2048, a chunk after a cached prefix)."""
+    from glm_ray.forward_batch import build_forward_batch
+    from glm_ray.kernels.cuda import CudaKernels
+    from glm_ray.kernels.torch_ref.topk import SelectionBits, pack_positions
+
+    monkeypatch.setattr(K, "TOPK_IMPL", "triton")
+    ck = CudaKernels()
+    if ck.tk is None:
+        pytest.skip(ck.triton_error)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    bs, qlens, clens = 64, [300, 1000, 2500], [300, 4100, 2500]
+    nbs = [-(-n // bs) for n in clens]
+    perm = torch.randperm(sum(nbs), generator=g, device=DEV).tolist()
+    tables = [perm[sum(nbs[:i]):sum(nbs[:i + 1])] for i in range(len(nbs))]
+    key_cache = torch.randn(sum(nbs) * bs, DI, generator=g, device=DEV).to(torch.bfloat16)
+    qi = torch.randn(sum(qlens), HI, DI, generator=g, device=DEV).to(torch.bfloat16)
+    w = torch.randn(sum(qlens), HI, generator=g, device=DEV) * HI ** -0.5
+    h, r, dr, dn, dv = 8, 512, 64, 192, 256                                  # GLM-5 MLA dims, 8 heads
+    q = torch.randn(sum(qlens), h, dn + dr, generator=g, device=DEV).to(torch.bfloat16)
+    kv_cache = torch.randn(sum(nbs) * bs, r + dr, generator=g, device=DEV).to(torch.bfloat16)
+    w_kv = (torch.randn(h * (dn + dv), r, generator=g, device=DEV) * r ** -0.5).to(torch.bfloat16)
+    kv_b = lambda x: x @ w_kv.T                                               # noqa: E731
+    fb = build_forward_batch(qlens, clens, tables, bs, torch.device(DEV))
+    ck.fallbacks.clear()
+    sparse = 0
+    for group in fb.groups:
+        if group.q_index.shape[1] == 1 or group.max_context_len <= TOPK:
+            continue
+        sel = ck.indexer_topk(qi, w, key_cache, group, TOPK)
+        assert isinstance(sel, SelectionBits)
+        idx = K.indexer_prefill_topk(qi, w, key_cache, group, TOPK, max_bytes=256 << 20)   # [B, Qmax, k]
+        B, Qmax, k = idx.shape
+        want = pack_positions(idx.view(B * Qmax, k)[group.packed], -(-group.max_context_len // 32))
+        assert torch.equal(sel.bits, want)
+        kw = dict(kv_lora_rank=r, v_head_dim=dv, scale=(dn + dr) ** -0.5)
+        assert torch.equal(ck.mla_prefill(q, kv_cache, group, sel, kv_b, **kw),
+                           ck.mla_prefill(q, kv_cache, group, idx, kv_b, **kw))
+        sparse += 1
+    assert sparse >= 1
+    assert not ck.fallbacks, f"reference fallbacks: {dict(ck.fallbacks)}"

@@ -131,3 +131,39 @@ def test_indexer_topk_through_cuda_kernels_no_fallback(monkeypatch):
                                           block_size, kmax)        # [Bg, kmax]
         assert torch.equal(sel[:, 0], ref_topk(scores, group.context_lens, min(TOPK, kmax)))
     assert not ck.fallbacks, f"reference fallbacks: {dict(ck.fallbacks)}"
+
+
+# ---- topk_bits: the prefill selection as a bitmap ---------------------------------------------------
+
+def _check_bits(scores, lens, k):
+    from glm_ray.kernels.cuda.topk import topk_bits
+    from glm_ray.kernels.torch_ref.topk import topk_bits as ref_bits
+    out = topk_bits(scores, lens, k)
+    ref = ref_bits(scores, lens, k)
+    if not torch.equal(out, ref):
+        bad = (out != ref).any(-1).nonzero().flatten().tolist()
+        raise AssertionError(f"bits != reference in rows {bad[:8]}")
+
+
+@pytest.mark.parametrize("n", [4096, 8192, 16384])
+def test_topk_bits_prefill_rows(n):
+    """A prefill group's rows (row i: causal length i + 1 over the whole width, k = 2048: rows below, at and
+    above k) at the shapes the sparse MLA prefill meets (1 x 8k: 8192 rows of 8192), with exact ties."""
+    g = torch.Generator(device=DEV).manual_seed(n)
+    rows = min(n, 4096)
+    scores = torch.randn(rows, n, generator=g, device=DEV).relu_() * 3          # half exact zeros: ties
+    lens = torch.arange(n - rows + 1, n + 1, dtype=torch.int32, device=DEV)      # the group's last rows
+    lens[:64] = torch.arange(2000, 2064, dtype=torch.int32, device=DEV)          # around k
+    _check_bits(scores, lens, TOPK)
+
+
+def test_topk_bits_ties_and_neg_inf():
+    n = 8192
+    g = torch.Generator(device=DEV).manual_seed(1)
+    scores = torch.randint(0, 5, (8, n), generator=g, device=DEV).float()
+    scores[2] = 0.5
+    scores[3, :] = float("-inf")
+    scores[3, ::17] = 1.0
+    scores[4, 100:n - 100] = float("-inf")
+    lens = torch.tensor([n, n, n - 3, n, n, 2049, 2048, 1], dtype=torch.int32, device=DEV)
+    _check_bits(scores, lens, TOPK)

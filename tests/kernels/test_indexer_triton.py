@@ -30,6 +30,7 @@ from glm_ray.kernels.cuda.indexer import (  # noqa: E402
     select_topk,
 )
 from glm_ray.kernels.torch_ref.indexer import indexer_topk  # noqa: E402
+from glm_ray.kernels.torch_ref.topk import SelectionBits, pack_positions  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 HI, DI = 4, 16
@@ -231,6 +232,22 @@ def test_prefill_rows_match_engine_indexer_topk(monkeypatch, impl, max_bytes):
                 assert gs == rs and len(gs) == min(topk, n) and max(gs) < n, (b, i, gs, rs)
                 seen += 1
     assert seen == 7 + 12 + 5 + 1 and len(fb.groups) >= 2          # every query once (the decode group too)
+
+
+@pytest.mark.parametrize("max_bytes", [1 << 30, 256])
+def test_prefill_bits_are_the_picks_of_the_index_path(max_bytes):
+    """`bits=True` (the naive-form prefill's selection, `SelectionBits`: one bitmap row per packed query,
+    written by `topk_bits` from the same scores) holds exactly the positions the index path returns; one
+    chunk of rows and many; words past a row's causal keys stay 0."""
+    qi, w, key_cache, fb = _prefill_case([7, 12, 5, 1], [7, 30, 21, 40], 4, seed=7)
+    topk = 9
+    for group in fb.groups:
+        idx = K.indexer_prefill_topk(qi, w, key_cache, group, topk, max_bytes=max_bytes)   # [B, Qmax, k]
+        sel = K.indexer_prefill_topk(qi, w, key_cache, group, topk, max_bytes=max_bytes, bits=True)
+        assert isinstance(sel, SelectionBits)
+        B, Qmax, k = idx.shape
+        want = pack_positions(idx.view(B * Qmax, k)[group.packed].cpu(), -(-group.max_context_len // 32))
+        assert sel.bits.shape == want.shape and torch.equal(sel.bits.cpu(), want)
 
 
 @pytest.mark.parametrize("query_lens,context_lens", [([12], [30]), ([7, 12, 5], [7, 30, 21])],

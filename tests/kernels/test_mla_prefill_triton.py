@@ -32,6 +32,7 @@ from glm_ray import kernels  # noqa: E402
 from glm_ray.forward_batch import build_forward_batch  # noqa: E402
 from glm_ray.kernels.cuda import mla_prefill as mp  # noqa: E402
 from glm_ray.kernels.torch_ref import attention  # noqa: E402
+from glm_ray.kernels.torch_ref.topk import SelectionBits, pack_positions  # noqa: E402
 
 H, R = 3, 32
 SMALL = (16, 16, 4, 1)                 # BLOCK_M, BLOCK_N, warps, stages: several tiles at these lengths
@@ -189,6 +190,24 @@ def test_key_chunks_carry_the_softmax_state(sparse):
                                  g.max_context_len) == keys
             out, _ = check(s, g, sel, max_bytes=keys * per_pos)
             assert rel_err(out, one) <= 1e-5
+
+
+@pytest.mark.parametrize("chunks", [False, True])
+def test_sparse_bitmap_selection_equals_indices(chunks):
+    """The cuda indexer's form (`SelectionBits`: the packed rows' bitmap, no index list) gives the kernel's
+    output of the same picks as indices bit for bit, one key chunk or several; the reference reads the
+    bitmap (`selection_mask`) to the same mask as the indices (their non-causal picks dropped either way)."""
+    s = make_step([21, 9, 40], [50, 9, 40], 16, seed=4)
+    for g in s["groups"]:
+        idx = make_selection(g, 12, seed=5)                                  # [B, Qmax, k]
+        B, qmax, k = idx.shape
+        sel = SelectionBits(pack_positions(idx.view(B * qmax, k)[g.packed], -(-g.max_context_len // 32)))
+        per_pos = g.num_seqs * ((R + s["dr"] + H * (s["dn"] + s["dv"])) * 4 + 8)
+        max_bytes = 16 * per_pos if chunks else BIG
+        out_i, ref_i = run_group(s, g, idx, max_bytes=max_bytes)
+        out_b, ref_b = check(s, g, sel, max_bytes=max_bytes)
+        assert torch.equal(out_b, out_i)
+        assert torch.equal(ref_b, ref_i)
 
 
 def test_forced_naive_decode_group():

@@ -21,7 +21,9 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from glm_ray.kernels.cuda import topk as T  # noqa: E402
+from glm_ray.kernels.torch_ref.topk import topk_bits as ref_bits  # noqa: E402
 from glm_ray.kernels.torch_ref.topk import topk_positions as ref_topk  # noqa: E402
+from glm_ray.kernels.torch_ref.topk import unpack_bits  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -130,3 +132,59 @@ def test_programs_per_row_from_shapes():
     assert T.programs_per_row(64, 32768, 1024, 512) == 8
     assert T.programs_per_row(256, 131072, 1024, 512) == 2
     assert T.programs_per_row(3, 10, 1024, 512) == 1
+
+
+# ---- topk_bits: the prefill form (one program per row, the picks as a bitmap) -----------------------
+
+def run_bits(scores, lens, k, words=None):
+    out = T.topk_bits(scores.to(DEV), lens.to(DEV), k, words).cpu()
+    ref = ref_bits(scores, lens, k, words)                                     # from the reference positions
+    assert out.dtype == torch.int32 and out.shape == ref.shape
+    assert torch.equal(out, ref), f"bits != reference in rows {(out != ref).any(-1).nonzero().flatten().tolist()}"
+    # and the bitmap holds exactly the reference's positions
+    picks = ref_topk(scores, lens, k)
+    got = unpack_bits(out, out.shape[1] * 32)
+    for b in range(scores.shape[0]):
+        assert set(got[b].nonzero().flatten().tolist()) == set(picks[b][picks[b] >= 0].tolist())
+    return out
+
+
+@pytest.mark.parametrize("n", [40, 300, 1024])
+@pytest.mark.parametrize("k", [8, 64, 512])
+def test_bits_distinct_scores(n, k):
+    """Continuous scores at lengths below, at and above k; n not a multiple of 32 (a partial last word)."""
+    g = torch.Generator().manual_seed(n * 10 + k)
+    scores = torch.randn(3, n, generator=g) * 10
+    run_bits(scores, _lengths(3, n, k, g), k)
+
+
+@pytest.mark.parametrize("k", [1, 8, 100, 333])
+def test_bits_ties_and_special_values(k):
+    """The radix-select cases of `test_ties_and_special_values` (exact ties, all-equal rows, +-0.0, -inf inside
+    the context, fewer finite keys than k, length 1): the tie cut takes the lowest positions."""
+    g = torch.Generator().manual_seed(k)
+    B, n = 7, 300
+    scores = torch.randint(-3, 4, (B, n), generator=g).float() * 0.25
+    scores[1] = 1.5
+    scores[2] = -scores[2].abs() * 0.0
+    scores[3, 10:200] = float("-inf")
+    scores[4] = float("-inf")
+    scores[4, ::37] = torch.arange(9, dtype=torch.float32)
+    scores[5] = -7.0
+    scores[5, 123] = -7.5
+    lens = torch.tensor([300, 299, 257, 300, 300, 64, 1], dtype=torch.int32)
+    run_bits(scores, lens, k)
+
+
+def test_bits_strided_rows_wider_words_and_out_view():
+    """Row views with a larger stride; more words than the row needs (the bitmap's width is the group's
+    Kmax, wider than a chunk's scores never is, but zeros must land there); `out` a row slice of a buffer."""
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(4, 700, generator=g)
+    scores = wide[:, 50:450]                                                   # [4, 400], row stride 700
+    lens = torch.tensor([400, 17, 399, 64], dtype=torch.int32)
+    run_bits(scores, lens, 64, words=16)                                       # 512 positions of bits
+    buf = torch.full((6, 13), 7, dtype=torch.int32)
+    T.topk_bits(scores, lens, 64, 13, out=buf[1:5])
+    assert torch.equal(buf[1:5], ref_bits(scores, lens, 64, 13))
+    assert bool((buf[0] == 7).all()) and bool((buf[5] == 7).all())             # rows outside the view untouched

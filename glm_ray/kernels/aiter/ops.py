@@ -296,8 +296,8 @@ class AiterKernels:
         D = kv_cache.shape[-1]
         if group.q_index.shape[1] != 1:
             return "more than one query per sequence"
-        if selection is not None and selection.dtype == torch.bool:
-            return "a bool-mask selection"
+        if selection is not None and (not isinstance(selection, torch.Tensor) or selection.dtype == torch.bool):
+            return "a mask selection (bool or bitmap)"
         if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
             return f"q / cache dtype {q.dtype} / {kv_cache.dtype} (bf16 kernels)"
         if (kv_lora_rank, D - kv_lora_rank) != MLA_DIMS or q.shape[-1] != D:

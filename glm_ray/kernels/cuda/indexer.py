@@ -27,7 +27,12 @@ would read them once per row — the prefill path measured 0.02-0.07 of the bf16
   picks -> -1; measured on the H200 (CUDA-graph replays, cold L2): 48-59 us at 8k and 51-76 us at 32k
   for B = 1..64 (k = 2048), 40-45 us per layer in glm5-flash-31b decode at 8k. (The earlier
   one-program-per-row radix kernel took 55 us at 8k and 150 us at 32k: one SM per row.) Both launch
-  from shapes only (capturable).
+  from shapes only (capturable). Prefill groups that attend in the naive form (the sparse MLA prefill
+  kernel walks causal key tiles under a per-query bitmap) take the picks as that bitmap (`SelectionBits`)
+  from `topk.topk_bits`: one program per query row holds its <= BITS_MAX_KEYS scores in registers for the
+  same radix select and packs its picks 32 to a word — the scores are read once instead of five times (4
+  passes + compaction), and neither an index list nor the bitmap kernel that rebuilt a bitmap from it
+  (`mla_prefill.selection_bits`) runs (glm5-flash-31b 1 x 8k: 49 ms of 352 a step were those three).
 * Ties: exact score ties are broken by lowest position ("triton") or torch.topk's internal order
   ("torch"), not necessarily the reference's; selection sets can differ only among positions whose
   scores tie (or nearly tie, within fp32 summation-order noise) with the k-th best. Both are undefined
@@ -48,6 +53,7 @@ import triton.language as tl
 from glm_ray import envs
 from glm_ray.kernels.cuda import topk as radix_topk
 from glm_ray.kernels.cuda.layout import row_tiles
+from glm_ray.kernels.torch_ref.topk import SelectionBits
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 NEG_INF = float("-inf")
@@ -307,7 +313,7 @@ def indexer_prefill_plan(group, topk: int, rows: int) -> IndexerPrefillPlan:
 
 
 def indexer_prefill_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, group, topk: int, *,
-                         max_bytes: int) -> torch.Tensor:
+                         max_bytes: int, bits: bool = False) -> torch.Tensor | SelectionBits:
     """The `indexer_topk` op on a prefill group (several queries per sequence): the query rows of a
     sequence are scored as tiles against its keys (`indexer_prefill_scores`: keys loaded once per tile
     of queries, not once per query), each row over its causal length (position + 1), then the same top-k
@@ -315,13 +321,19 @@ def indexer_prefill_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Ten
     rows of the whole step. Returns indices [B, Qmax, k] int32 (k = min(topk, max_context_len); -1 where a
     query has fewer than k causal keys and in padded query slots). Rows go in chunks whose [rows, Kmax]
     fp32 scores fit `max_bytes` (one chunk unless the step's queries x context are large). The group's
-    row bookkeeping (`indexer_prefill_plan`) is built by its first layer and shared by the others."""
+    row bookkeeping (`indexer_prefill_plan`) is built by its first layer and shared by the others.
+    bits: return the picks as `SelectionBits` instead ([Tg, ceil(Kmax / 32)] int32, packed rows: what the
+    sparse MLA prefill kernel reads), written by `topk.topk_bits` straight from the scores (one launch a chunk,
+    no index list, no bitmap kernel after it); Kmax <= topk.BITS_MAX_KEYS."""
     B, Qmax = group.q_index.shape
     rows = max(1, max_bytes // (group.max_context_len * 4))
     plan = group.plan(("indexer_prefill", topk, rows), lambda: indexer_prefill_plan(group, topk, rows))
     k = plan.k
+    if bits:
+        words = triton.cdiv(plan.kmax, 32)
+        picked_bits = torch.zeros(group.packed.shape[0], words, dtype=torch.int32, device=qi.device)  # [Tg, W]
     if not plan.chunks:
-        return torch.full((B, Qmax, k), -1, dtype=torch.int32, device=qi.device)
+        return SelectionBits(picked_bits) if bits else torch.full((B, Qmax, k), -1, dtype=torch.int32, device=qi.device)
     if group.row_span is not None:                                              # the group's rows in order
         q, ww = qi[group.row_span[0]:group.row_span[1]], w[group.row_span[0]:group.row_span[1]]
     else:
@@ -331,7 +343,12 @@ def indexer_prefill_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Ten
     for ch in plan.chunks:
         scores = indexer_prefill_scores(q[ch.r0:ch.r1], ww[ch.r0:ch.r1], key_cache, table, ch.row0, ch.nrows,
                                         ch.pos0, plan.kmax, group.block_size, tiles=ch.tiles)   # [rows, kmax]
+        if bits:
+            radix_topk.topk_bits(scores, ch.lens, k, words, out=picked_bits[ch.r0:ch.r1])   # [rows, W]
+            continue
         picks.append(select_topk(scores, ch.lens, k))                           # [rows, k]
+    if bits:
+        return SelectionBits(picked_bits)
     picked = picks[0] if len(picks) == 1 else torch.cat(picks)                  # [Tg, k]
     if plan.dense:                                                              # packed == arange(B * Qmax)
         return picked.view(B, Qmax, k)

@@ -23,7 +23,8 @@ Per call (one `AttnGroup`: B sequences, Tg = sum(query_lens) new tokens, packed 
   a tile reads keys 0..its last position; tiles wholly below the diagonal skip the mask.
   Sparse (DSA): a query attends to its top-k positions (int32 [B, Qmax, k], -1 = none; the decode
   kernel's index contract) AND causal. The indices become a per-query bitmap ([Tg, ceil(Kmax/32)]
-  int32, one atomic-or per index: `_selection_bits_kernel`); the kernel walks the same causal key
+  int32, one atomic-or per index: `_selection_bits_kernel`) — or come as that bitmap already (the cuda
+  indexer's `SelectionBits`, written by its top-k); the kernel walks the same causal key
   range and masks each [BLOCK_M, BLOCK_N] tile by its bits (a row's BLOCK_N / 32 words loaded once and
   spread over the tile in registers). The MMA work is therefore that of dense causal attention (the
   naive form gives each head its own K, so queries with different selections cannot share a gathered
@@ -59,6 +60,7 @@ import triton.language as tl
 
 from glm_ray.forward_batch import AttnGroup
 from glm_ray.kernels.cuda.layout import row_tiles
+from glm_ray.kernels.torch_ref.topk import SelectionBits
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
@@ -373,7 +375,7 @@ def selection_bits(indices: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
 
 def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[torch.Tensor], torch.Tensor],
                        plan: PrefillPlan, *, kv_lora_rank: int, v_head_dim: int, scale: float,
-                       indices: torch.Tensor | None = None,
+                       indices: torch.Tensor | None = None, bits: torch.Tensor | None = None,
                        config: tuple[int, int, int, int] | None = None,
                        tiles: SparseTiles = SparseTiles()) -> torch.Tensor:
     """Naive MLA prefill of the group `plan` describes.
@@ -381,7 +383,8 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
     q [T, h, dn+dr] rows of the whole step (bf16/fp16; unit last stride); kv_cache [S, r+dr] same
     dtype, unit last stride; kv_b: latents [N, r] (row-strided view) -> [N, h*(dn+dv)] (rows grouped
     per head: dn key dims then dv value dims). indices None: dense causal; else [B, Qmax, k] int32
-    positions (-1 = none), attended AND causal. config: (BLOCK_M, BLOCK_N, num_warps, num_stages),
+    positions (-1 = none), attended AND causal; or bits: the same selection as the bitmap [Tg, ceil(max_context_len
+    / 32)] int32 the kernel reads (`SelectionBits.bits`, packed rows; no index list to convert). config: (BLOCK_M, BLOCK_N, num_warps, num_stages),
     BLOCK_M / BLOCK_N equal to the plan's; tiles: the sparse walk (`SparseTiles`). Returns o [Tg, h, dv]
     in q.dtype, in the packed order.
     """
@@ -398,8 +401,14 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
     if Tg == 0 or h == 0:
         return out
     dn1, dn2, block_dn2 = _dn_split(dn)
-    bits = selection_bits(indices, plan) if indices is not None else out      # (unused pointer when dense)
-    words = bits.shape[1] if indices is not None else 0
+    sparse = indices is not None or bits is not None
+    if indices is not None:
+        assert bits is None, "indices or bits, not both"
+        bits = selection_bits(indices, plan)                                   # [Tg, W]
+    elif bits is not None:
+        assert bits.shape == (Tg, triton.cdiv(plan.max_context_len, 32)) and bits.stride(-1) == 1, bits.shape
+    words = bits.shape[1] if sparse else 0
+    bits = bits if sparse else out                                            # (unused pointer when dense)
     n_chunks = len(plan.chunks)
     if n_chunks > 1:                                                          # online-softmax state across chunks
         m_st = torch.empty(Tg, h, dtype=torch.float32, device=q.device)
@@ -410,7 +419,7 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
     consts = dict(DN1=dn1, DN2=dn2, BLOCK_DN2=block_dn2, DR=dr,
                   BLOCK_DR=max(MIN_DOT, triton.next_power_of_2(dr)) if dr else 0, DV=dv,
                   BLOCK_DV=max(MIN_DOT, triton.next_power_of_2(dv)), BLOCK_M=block_m, BLOCK_N=block_n,
-                  SPARSE=indices is not None, SKIP_EMPTY=tiles.skip_empty,
+                  SPARSE=sparse, SKIP_EMPTY=tiles.skip_empty,
                   BNW=max(1, block_n // 32), INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
     for ci, ch in enumerate(plan.chunks):                                     # key chunks (usually one)
         rows = kv_cache[ch.slots]                                             # [N, r+dr] gathered latents
@@ -430,12 +439,14 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
     return out
 
 
-def mla_prefill_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup, selection: torch.Tensor | None,
+def mla_prefill_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup,
+                      selection: torch.Tensor | SelectionBits | None,
                       kv_b: Callable[[torch.Tensor], torch.Tensor], *, kv_lora_rank: int, v_head_dim: int,
                       scale: float, max_bytes: int, config: tuple[int, int, int, int] | None = None,
                       tiles: SparseTiles = SparseTiles()) -> torch.Tensor:
-    """The `mla_prefill` op on one group (the torch reference's arguments; selection None or int32
-    indices [B, Qmax, k]). The group's plan is built on first use and shared by every layer."""
+    """The `mla_prefill` op on one group (the torch reference's arguments; selection None, int32 indices
+    [B, Qmax, k] or the indexer's `SelectionBits`). The group's plan is built on first use and shared by
+    every layer."""
     h, dq = q.shape[1], q.shape[2]
     r, dv = kv_lora_rank, v_head_dim
     dr = kv_cache.shape[1] - r
@@ -446,7 +457,9 @@ def mla_prefill_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup,
         group.block_table, group.context_lens, group.query_lens, group.token_index, group.block_size,
         group.max_context_len, block_m=cfg[0], block_n=cfg[1], chunk=chunk))
     return mla_prefill_varlen(q, kv_cache, kv_b, plan, kv_lora_rank=r, v_head_dim=dv, scale=scale,
-                              indices=selection, config=cfg, tiles=tiles)
+                              indices=None if isinstance(selection, SelectionBits) else selection,
+                              bits=selection.bits if isinstance(selection, SelectionBits) else None,
+                              config=cfg, tiles=tiles)
 
 
 __all__ = ["KeyChunk", "PrefillPlan", "SparseTiles", "chunk_keys", "mla_prefill_group", "mla_prefill_varlen", "prefill_plan",

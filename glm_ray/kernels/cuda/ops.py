@@ -94,8 +94,28 @@ from glm_ray.kernels.torch_ref.mxfp4 import canonical_scale_mode
 from glm_ray.kernels.torch_ref.norm import rms_norm as ref_rms_norm
 from glm_ray.kernels.torch_ref.rope import rope_inplace as ref_rope_inplace
 from glm_ray.kernels.torch_ref.routing import moe_routing as ref_moe_routing
+from glm_ray.kernels.torch_ref.topk import SelectionBits
 
 logger = logging.getLogger(__name__)
+PREFILL_BITS = True      # `prefill_selection_bits`' switch (bench.indexer's A/B)
+
+
+def _mask_reason(selection) -> str | None:
+    """Why a selection keeps an attention op on its reference: a bool mask (the k-pool indexer's) or a
+    bitmap on a path that reads indices."""
+    if isinstance(selection, SelectionBits):
+        return "a bitmap selection"
+    return "a bool-mask selection" if selection is not None and selection.dtype == torch.bool else None
+
+
+def prefill_selection_bits(group) -> bool:
+    """Whether the indexer hands a prefill group its picks as `SelectionBits`: the group attends in the naive
+    form (the sparse MLA prefill kernel reads a bitmap), the radix top-k is on and its rows fit the registers
+    of `topk_bits` (Kmax <= BITS_MAX_KEYS). `PREFILL_BITS = False` turns it off (A/B: bench.indexer)."""
+    from glm_ray.kernels.cuda import indexer as IK  # noqa: PLC0415 (imports triton)
+    return (PREFILL_BITS and group.mla_mode == "naive" and IK.TOPK_IMPL == "triton"
+            and group.max_context_len <= IK.radix_topk.BITS_MAX_KEYS)
+
 
 BLOCK = (128, 128)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -494,7 +514,7 @@ class CudaKernels:
                                             max_bytes=max_bytes)
         reason = self._decode_reason(q, group, "mla_decode") or (
             f"cache dtype {kv_cache.dtype} != {q.dtype}" if kv_cache.dtype != q.dtype else None) or (
-            "a bool-mask selection" if selection is not None and selection.dtype == torch.bool else None)
+            _mask_reason(selection))
         if reason is not None:
             self._fallback("mla_decode", reason)
             return slow()
@@ -514,7 +534,7 @@ class CudaKernels:
         reason = (self._gpu_reason(q, 80, need_triton=True, op="mla_prefill")
                   or (f"dtype {q.dtype} (bf16/fp16 kernel)" if q.dtype not in HALF_DTYPES else None)
                   or (f"cache dtype {kv_cache.dtype} != {q.dtype}" if kv_cache.dtype != q.dtype else None)
-                  or ("a bool-mask selection" if selection is not None and selection.dtype == torch.bool else None)
+                  or (_mask_reason(selection) if not isinstance(selection, SelectionBits) else None)
                   or (f"qk_nope_head_dim {dn} < 16" if dn < 16 else None))
         if reason is not None:
             self._fallback("mla_prefill", reason)
@@ -531,8 +551,10 @@ class CudaKernels:
             return slow()
         from glm_ray.kernels.cuda.indexer import indexer_decode_topk, indexer_prefill_topk  # noqa: PLC0415
         if group.q_index.shape[1] != 1:                                     # prefill: a row per query token
+            # the sparse MLA prefill kernel (naive form) reads a bitmap: the top-k writes it directly
+            bits = prefill_selection_bits(group)
             return self._guarded("indexer_topk", lambda: indexer_prefill_topk(qi, w, key_cache, group, topk,
-                                                                              max_bytes=max_bytes), slow)
+                                                                              max_bytes=max_bytes, bits=bits), slow)
         def fast():
             kmax = group.kv_capacity or group.max_context_len
             idx = indexer_decode_topk(group.rows_of(qi), group.rows_of(w), key_cache, group.block_table, group.context_lens,

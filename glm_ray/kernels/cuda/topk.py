@@ -179,6 +179,79 @@ def _compact_kernel(s_ptr, len_ptr, hist_ptr, cnt_ptr, gt_ptr, o_ptr, N, K, S, s
                          mask=(offs >= total) & (offs < K) & (offs < (s + 1) * share))
 
 
+# --------------------------------------------------------------------------------------------
+# prefill: one row per program, the row held in registers, the picks written as a bitmap
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit(do_not_specialize=['N', 'WORDS'])   # sizes that change per step: no recompiles (cuda/__init__)
+def _topk_bits_kernel(s_ptr, len_ptr, o_ptr, N, K, WORDS, stride_s, stride_o, BLOCK: tl.constexpr):
+    """Program b: row b's whole valid prefix (<= BLOCK scores) loaded ONCE into registers, the same exact
+    radix select as `_radix_pass_kernel` (4 histograms of 8-bit digits, now over registers instead of
+    re-reads), then the picks (> the k-th key, and its ties from the lowest position up) packed 32 to an
+    int32 word and stored: o[b, w] bit j = position 32 w + j picked. Rows with <= k finite valid scores
+    take them all."""
+    b = tl.program_id(0)
+    n = tl.minimum(tl.load(len_ptr + b), N)
+    offs = tl.arange(0, BLOCK)
+    inb = offs < n
+    u = _ukey(tl.load(s_ptr + b.to(tl.int64) * stride_s + offs, mask=inb, other=float("-inf")))   # [BLOCK]
+    valid = inb & (u > NEG_INF_UKEY)                                          # finite (or +inf) valid keys
+    take = valid
+    if tl.sum(valid.to(tl.int32), 0) > K:
+        bins = tl.arange(0, 256)
+        prefix = (n * 0).to(tl.uint32)
+        kk = K + n * 0                                                       # rank of the k-th among the matches
+        cand = valid
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p                                                # this pass's digit
+            if p > 0:
+                cand = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))   # keys matching the digits so far
+            h = tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=cand)   # [256]
+            ge = tl.sum(h, 0) - tl.cumsum(h, 0) + h                           # keys with digit >= d
+            d = tl.max(tl.where(ge >= kk, bins, -1), 0)                       # the k-th's digit
+            kk -= tl.sum(tl.where(bins > d, h, 0), 0)
+            prefix = prefix | (d.to(tl.uint32) << shift)
+        eq = (valid & (u == prefix)).to(tl.int32)                            # ties: the lowest kk positions
+        take = (valid & (u > prefix)) | ((eq != 0) & (tl.cumsum(eq, 0) <= kk))
+    bit = take.to(tl.int32) << (offs % 32)                                    # [BLOCK]
+    words = tl.reduce(tl.reshape(bit, (BLOCK // 32, 32)), 1, _or)             # [BLOCK / 32]
+    w = tl.arange(0, BLOCK // 32)
+    tl.store(o_ptr + b.to(tl.int64) * stride_o + w, words, mask=w < WORDS)
+
+
+BITS_MAX_KEYS = 16384     # widest row `topk_bits` holds in registers (scores per program)
+
+
+def topk_bits(scores: torch.Tensor, lengths: torch.Tensor, k: int, words: int | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The picks of `topk_positions` as a bitmap, for the sparse MLA prefill (its selection form): scores
+    [B, n] fp32 (rows may be strided), lengths [B] int32, k >= 1 -> [B, words] int32
+    (default ceil(n / 32), at most BITS_MAX_KEYS / 32; bit t % 32 of word t // 32 set iff position t is picked; words past n are 0).
+    `out`: a [B, words] int32 view to write into (rows may be strided). One launch, no host sync."""
+    B, n = scores.shape
+    assert scores.dtype == torch.float32, f"scores must be fp32, got {scores.dtype}"
+    assert 1 <= n <= BITS_MAX_KEYS and k >= 1, (n, k)
+    words = words if words is not None else triton.cdiv(n, 32)
+    assert words * 32 >= n, (words, n)
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    if out is None:
+        out = torch.empty(B, words, dtype=torch.int32, device=scores.device)
+    assert out.shape == (B, words) and out.dtype == torch.int32 and out.stride(-1) == 1
+    if B == 0:
+        return out
+    block = max(64, triton.next_power_of_2(words * 32))                      # every word of the row
+    assert block <= BITS_MAX_KEYS, (words, BITS_MAX_KEYS)
+    _topk_bits_kernel[(B,)](scores, lengths.to(torch.int32).contiguous(), out, n, k, words,
+                            scores.stride(0), out.stride(0), BLOCK=block, num_warps=8 if block <= 8192 else 16)
+    return out
+
+
 def programs_per_row(B: int, n: int, chunk: int | None = None, target: int | None = None) -> int:
     """S: the programs each row is split over (from shapes only): enough for ~TARGET_PROGRAMS in all,
     at most one per CHUNK of the row."""

@@ -6,7 +6,7 @@ kernel ops. The math (scores, pools, candidates, tail) is documented on the laye
 `indexer_topk` returns the selection as indices: int32 positions [B, Qmax, k] (k = min(topk, Kmax), -1
 where a query has fewer than k causal keys), which attention reads as a page table of page size 1
 (O(topk) work per query); `selection_mask` turns them into the bool mask [B, Qmax, Kmax] (selected AND
-causal) the torch attention references apply. `indexer_kpool_topk` (pools of tokens + a tail, a
+causal) the torch attention references apply (as it does a backend's bitmap, `SelectionBits`). `indexer_kpool_topk` (pools of tokens + a tail, a
 variable count per query) still returns the mask. The per-head ReLU scores [B, q, Hi, n] fp32 are the big tensor (GLM-5: 32 heads x 8k keys = 1 MiB
 per query row) and the gathered keys grow with the group's contexts: both are tiled — queries into
 chunks, keys (pools) into chunks whose top-k are merged — so each tile stays within `max_bytes`. Loops
@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from glm_ray.forward_batch import AttnGroup
+from glm_ray.kernels.torch_ref.topk import SelectionBits, unpack_bits
 
 SCORE_BYTES = 256 * 2**20          # default tile bound (the indexer layers pass their own)
 
@@ -58,11 +59,17 @@ def indexer_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, gro
 
 def selection_mask(group: AttnGroup, selection: torch.Tensor) -> torch.Tensor:
     """A selection as the bool mask [B, Qmax, Kmax] (selected AND causal) on the group's padded view:
-    int32 indices [B, Qmax, k] (-1 = none) are scattered; a bool mask passes through."""
-    if selection.dtype == torch.bool:
-        return selection
+    int32 indices [B, Qmax, k] (-1 = none) are scattered, a `SelectionBits` bitmap unpacked; a bool mask
+    passes through."""
     causal = group.causal
     Kmax = causal.shape[-1]
+    if isinstance(selection, SelectionBits):
+        B, Qmax = causal.shape[:2]
+        mask = torch.zeros(B * Qmax, Kmax, dtype=torch.bool, device=causal.device)      # [B*Qmax, Kmax]
+        mask[group.packed] = unpack_bits(selection.bits, Kmax)
+        return mask.view(B, Qmax, Kmax) & causal
+    if selection.dtype == torch.bool:
+        return selection
     idx = selection.long()
     mask = torch.zeros(*causal.shape[:2], Kmax + 1, dtype=torch.bool, device=causal.device)   # col Kmax: -1
     mask.scatter_(-1, torch.where(idx < 0, Kmax, idx.clamp(max=Kmax)), True)
