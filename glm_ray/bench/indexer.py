@@ -160,6 +160,7 @@ def run_prefill(shapes: list[tuple[int, int]], *, heads: int = 32, head_dim: int
                      "topk": topk, "topk_impl": K.TOPK_IMPL, "qi_dtype": str(qi_dtype).removeprefix("torch."),
                      "us": t, "TFLOPS": tflops,
                      "peak_ratio": tflops / PEAK_BF16_TFLOPS, "ref_us": t_ref, "speedup": t_ref / t,
+                     "bits_chunk": K.radix_topk.BITS_CHUNK, "bits_warps": K.radix_topk.BITS_WARPS,
                      "idx_bits_us": t_ib, "bits_us": t_b, "bits_TFLOPS": flop / (t_b * 1e-6) / 1e12,
                      "bits_gain": t_ib / t_b})
         del key_cache, qi, w, group
@@ -183,6 +184,8 @@ def main(argv=None) -> int:
     p.add_argument("--topk-warps", type=int, default=None, help="override the top-k kernel's warps")
     p.add_argument("--topk-programs", type=int, default=None,
                    help="override the top-k's target programs per launch (topk.TARGET_PROGRAMS)")
+    p.add_argument("--bits-chunk", type=int, default=None, help="override topk_bits' scores per loop step")
+    p.add_argument("--bits-warps", type=int, default=None, help="override topk_bits' warps per program")
     p.add_argument("--topk-only", action="store_true", help="time the top-k alone: Triton vs torch.topk")
     p.add_argument("--parts", type=int, default=None, help="override the bf16 parts of an fp32 query (1-3)")
     p.add_argument("--prefill", nargs="+", default=None, metavar="BxL",
@@ -206,6 +209,10 @@ def main(argv=None) -> int:
         K.TOPK_WARPS = a.topk_warps
     if a.parts:
         K.FP32_QUERY_PARTS = a.parts
+    if a.bits_chunk:
+        K.radix_topk.BITS_CHUNK = a.bits_chunk
+    if a.bits_warps:
+        K.radix_topk.BITS_WARPS = a.bits_warps
     if a.topk_programs:
         K.radix_topk.TARGET_PROGRAMS = a.topk_programs
     if a.prefill:

@@ -136,6 +136,14 @@ def test_programs_per_row_from_shapes():
 
 # ---- topk_bits: the prefill form (one program per row, the picks as a bitmap) -----------------------
 
+@pytest.fixture(params=[32, 1024], ids=["chunk32", "chunk1024"])
+def bits_chunk(request, monkeypatch):
+    """The kernel's chunk: 32 (many chunks a row: the passes' loops, candidate skipping, ties across chunks) and
+    the shipped 1024 (one chunk at these lengths)."""
+    monkeypatch.setattr(T, "BITS_CHUNK", request.param)
+    return request.param
+
+
 def run_bits(scores, lens, k, words=None):
     out = T.topk_bits(scores.to(DEV), lens.to(DEV), k, words).cpu()
     ref = ref_bits(scores, lens, k, words)                                     # from the reference positions
@@ -151,7 +159,7 @@ def run_bits(scores, lens, k, words=None):
 
 @pytest.mark.parametrize("n", [40, 300, 1024])
 @pytest.mark.parametrize("k", [8, 64, 512])
-def test_bits_distinct_scores(n, k):
+def test_bits_distinct_scores(n, k, bits_chunk):
     """Continuous scores at lengths below, at and above k; n not a multiple of 32 (a partial last word)."""
     g = torch.Generator().manual_seed(n * 10 + k)
     scores = torch.randn(3, n, generator=g) * 10
@@ -159,7 +167,7 @@ def test_bits_distinct_scores(n, k):
 
 
 @pytest.mark.parametrize("k", [1, 8, 100, 333])
-def test_bits_ties_and_special_values(k):
+def test_bits_ties_and_special_values(k, bits_chunk):
     """The radix-select cases of `test_ties_and_special_values` (exact ties, all-equal rows, +-0.0, -inf inside
     the context, fewer finite keys than k, length 1): the tie cut takes the lowest positions."""
     g = torch.Generator().manual_seed(k)
@@ -176,7 +184,7 @@ def test_bits_ties_and_special_values(k):
     run_bits(scores, lens, k)
 
 
-def test_bits_strided_rows_wider_words_and_out_view():
+def test_bits_strided_rows_wider_words_and_out_view(bits_chunk):
     """Row views with a larger stride; more words than the row needs (the bitmap's width is the group's
     Kmax, wider than a chunk's scores never is, but zeros must land there); `out` a row slice of a buffer."""
     g = torch.Generator().manual_seed(5)
