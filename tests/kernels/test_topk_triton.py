@@ -136,10 +136,10 @@ def test_programs_per_row_from_shapes():
 
 # ---- topk_bits: the prefill form (one program per row, the picks as a bitmap) -----------------------
 
-@pytest.fixture(params=[32, 1024], ids=["chunk32", "chunk1024"])
+@pytest.fixture(params=[32, T.BITS_CHUNK, 1024], ids=lambda c: f"chunk{c}")
 def bits_chunk(request, monkeypatch):
-    """The kernel's chunk: 32 (many chunks a row: the passes' loops, candidate skipping, ties across chunks) and
-    the shipped 1024 (one chunk at these lengths)."""
+    """The kernel's chunk: 32 (many chunks a row: the passes' loops, candidate skipping, ties across chunks), the
+    shipped one and 1024 (one chunk at most of these lengths)."""
     monkeypatch.setattr(T, "BITS_CHUNK", request.param)
     return request.param
 

@@ -248,8 +248,11 @@ def _topk_bits_kernel(s_ptr, len_ptr, o_ptr, N, K, WORDS, stride_s, stride_o, CH
         tl.store(orow + w, words, mask=w < WORDS)
 
 
-BITS_CHUNK = 1024         # scores per loop step of `_topk_bits_kernel`  } H100/H200 guesses: bench.indexer
-BITS_WARPS = 4            # its warps                                    } --prefill times them
+# scores per loop step of `_topk_bits_kernel` and its warps: `bench.indexer --prefill 1x8192 4x8192 --bits-chunk C
+# --bits-warps W` on an H100 (session 37), bits / index-path time: 512 / 4 0.80 / 0.78, 1024 / 4 0.87 / 0.83,
+# 1024 / 8 0.88 / 0.83, 2048 / 8 0.92 / 0.87 (the bench checks the bitmap against the index path's first)
+BITS_CHUNK = 512
+BITS_WARPS = 4
 
 
 BITS_MAX_KEYS = 16384     # the widest rows the indexer hands `topk_bits` (one program walks a whole row)
