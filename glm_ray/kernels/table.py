@@ -46,7 +46,9 @@ class KernelOps:
     # [T, ...] for the whole step (the op reads its group's rows); outputs are the group's rows [Tg, ...]
     # in q_valid order (= group.token_index). `selection`: None = dense causal; int32 [B, Qmax, k] = DSA
     # top-k key positions (-1 padded; a page table of page size 1 over group.block_table); bool
-    # [B, Qmax, Kmax] = a mask (selection AND causal; the k-pool indexer). `max_bytes` bounds the op's transient memory (the
+    # [B, Qmax, Kmax] = a mask (selection AND causal; the k-pool indexer); `SelectionBits` (kernels/torch_ref/topk.py)
+    # = the top-k as a packed bitmap [Tg, ceil(Kmax/32)] int32 (a backend's indexer may return it for naive-form
+    # groups; every mla_prefill accepts it, the references through `selection_mask`). `max_bytes` bounds the op's transient memory (the
     # reference walks key / query tiles above it; a kernel that needs no workspace ignores it).
     #
     # MLA naive (expanded) form, prefill groups: (q [T, h, dn+dr] nope|roped, kv_cache [S, r+dr] latent
@@ -61,7 +63,8 @@ class KernelOps:
     mla_decode: Callable | None = None
     # DSA lightning indexer scoring + top-k (GLM-5): (qi [T, Hi, di] fp32 or bf16 (wq_b's output dtype; scored
     # in fp32), w [T, Hi] fp32 head weights, key_cache [S, di], group, topk, *, max_bytes)
-    # -> positions [B, Qmax, min(topk, Kmax)] int32 (-1 padded)
+    # -> positions [B, Qmax, min(topk, Kmax)] int32 (-1 padded), or, for a naive-form (prefill) group, the same picks
+    # as `SelectionBits` where the backend's prefill kernel reads a bitmap (cuda)
     indexer_topk: Callable | None = None
     # k-pool indexer (GLM-5.3-Flash): (qi [T, Hi, di] fp32 / bf16, w [T, Hi] fp32, key_cache [S, 2di] rows [ki | gi],
     # group, ape [kpool, di] fp32, *, kpool, pool_topk, tail, max_bytes) -> selection [B, Qmax, Kmax] bool
