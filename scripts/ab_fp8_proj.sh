@@ -10,6 +10,9 @@
 # spread between two lifetimes was larger than the effect, see docs/measurements/2026-11-30). The compare
 # table is written once both result files exist. For the flag's effect on one step without serving noise:
 #   python -m glm_ray.bench.fp8_proj_step $MODEL --load-format dummy --device cuda --dtype bfloat16
+# SERVE_EXTRA adds serve flags to both legs (e.g. "--throughput-optimized": Serve's proxy out of the stream, whose
+# saturation at high C on some hosts (docs/measurements/2026-12-06, s36/s37) is one source of the spread between
+# lifetimes); PPC sets the prompts per concurrency (default 4, PR B's; more prompts shrink each mean's noise).
 # MIN_TOKENS sets the FP8 gate (default 512). MODEL_DIR serves a model directory in MODEL's place (MODEL still
 # names the result files), e.g. a block-FP8 config whose q_b_proj / o_proj stay bf16 (PR B's checkpoints). DEVICE=cpu DTYPE=float32 MODEL=glm5-tiny checks the script here.
 set -uo pipefail
@@ -29,13 +32,13 @@ for FLAG in $FLAGS; do
   EXTRA=""; [ $FLAG = on ] && EXTRA="--fp8-proj-gemm --fp8-proj-min-tokens $MIN_TOKENS"
   LOG=$OUT/serve_${MODEL}_tp${TP}_fp8$FLAG.log
   python3 -m glm_ray.cli serve ${MODEL_DIR:-$MODEL} --load-format dummy --device $DEVICE --dtype $DTYPE --tp $TP \
-      --max-num-seqs $MAX_SEQS --max-num-batched-tokens 8192 --port 8000 $EXTRA > $LOG 2>&1 &
+      --max-num-seqs $MAX_SEQS --max-num-batched-tokens 8192 --port 8000 $EXTRA ${SERVE_EXTRA:-} > $LOG 2>&1 &
   SERVER=$!
   for i in $(seq 1 300); do curl -sf 127.0.0.1:8000/v1/models >/dev/null && break; grep -q Traceback $LOG && break; sleep 2; done
   if ! curl -sf 127.0.0.1:8000/v1/models >/dev/null; then echo "server did not come up:"; tail -30 $LOG; stop_server; exit 1; fi
   grep -E "fp8_proj_gemm|orchestration|KV cache" $LOG | tail -3
   python3 -m glm_ray.bench.cli --base-url http://127.0.0.1:8000 --input-len $IN --output-len $OUT_LEN \
-      --range-ratio 1 --prompts-per-concurrency 4 --concurrency $CONC --repetitions $REPS --label fp8_proj=$FLAG --no-plot --no-progress \
+      --range-ratio 1 --prompts-per-concurrency ${PPC:-4} --concurrency $CONC --repetitions $REPS --label fp8_proj=$FLAG --no-plot --no-progress \
       --result-file $OUT/${MODEL}_tp${TP}_fp8$FLAG.jsonl > $OUT/bench_fp8$FLAG.log 2>&1 &
   BENCH=$!; wait $BENCH; RC=$?; BENCH=""  # waited on in the background: a TERM runs the trap at once
   tail -12 $OUT/bench_fp8$FLAG.log

@@ -14,6 +14,8 @@
 # Each lifetime writes $OUT/prb_<n>_<flag>.jsonl; the table: per C, each lifetime's mean TTFT / ITL, the spread
 # between the lifetimes of one flag and the on-vs-off delta of the flags' means (the target: |delta| > spread).
 # prb2 reads the first call's files from PRB_PREV (paths in the carried tree, e.g. the committed measurement dir).
+# SERVE_EXTRA / PPC pass through to scripts/ab_fp8_proj.sh (e.g. SERVE_EXTRA=--throughput-optimized PPC=8: next try at
+# making the served deltas exceed the lifetimes' spread, which session 35's run did not).
 # A CPU check of the script: PART=prb1 PRB_MODEL=glm5-tiny DEVICE=cpu DTYPE=float32 CONC=4 PRB_OUT=8 OUT=/tmp/prb
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"

@@ -53,6 +53,7 @@ DEFERRED = {
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.fp8_small_m"): "triton, only on the cuda backend",
     ("glm_ray.bench.indexer", "glm_ray.kernels.cuda.indexer"): "triton: `--help` works without it",
     ("glm_ray.bench.indexer", "glm_ray.kernels.cuda.mla_prefill"): "triton: `--help` works without it",
+    ("glm_ray.bench.prefill", "glm_ray.kernels.cuda.ops"): "the cuda backend's switch, set only on a GPU run",
     ("glm_ray.serve.engine_host", "glm_ray.worker.step_channel"): "TP > 1 only",
     ("glm_ray.bench.moe_decode", "glm_ray.kernels.cuda.moe_decode"): "triton: `--help` works without it",
     ("glm_ray.bench.moe_decode", "glm_ray.kernels.cuda.triton_kernels"): "triton: `--help` works without it",
