@@ -295,3 +295,25 @@ def test_prefill_tiles_score_like_one_row_per_query(monkeypatch, query_lens, con
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     fin = ~torch.isinf(want)
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_selection_form_policy(monkeypatch):
+    """Which prefill groups the cuda indexer hands a bitmap (`ops.prefill_selection_bits`): naive-form groups with
+    the radix top-k and Kmax <= BITS_MAX_KEYS; an absorbed group (its decode kernel reads indices), the torch
+    top-k, a wider context or the switch off keep the index list."""
+    from glm_ray.kernels.cuda import ops
+    monkeypatch.setattr(K, "TOPK_IMPL", "triton")
+    naive = build_forward_batch([12, 5], [30, 21], [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13]], 4,
+                                torch.device(DEV), mla_mode="naive").groups
+    absorbed = build_forward_batch([12, 5], [30, 21], [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13]], 4,
+                                   torch.device(DEV), mla_mode="absorbed").groups
+    assert all(ops.prefill_selection_bits(g) for g in naive)
+    assert not any(ops.prefill_selection_bits(g) for g in absorbed)
+    monkeypatch.setattr(K.radix_topk, "BITS_MAX_KEYS", 16)                     # Kmax 30 / 21 > 16
+    assert not any(ops.prefill_selection_bits(g) for g in naive)
+    monkeypatch.setattr(K.radix_topk, "BITS_MAX_KEYS", 16384)
+    monkeypatch.setattr(ops, "PREFILL_BITS", False)
+    assert not any(ops.prefill_selection_bits(g) for g in naive)
+    monkeypatch.setattr(ops, "PREFILL_BITS", True)
+    monkeypatch.setattr(K, "TOPK_IMPL", "torch")
+    assert not any(ops.prefill_selection_bits(g) for g in naive)
