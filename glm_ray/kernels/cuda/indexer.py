@@ -29,10 +29,10 @@ would read them once per row — the prefill path measured 0.02-0.07 of the bf16
   one-program-per-row radix kernel took 55 us at 8k and 150 us at 32k: one SM per row.) Both launch
   from shapes only (capturable). Prefill groups that attend in the naive form (the sparse MLA prefill
   kernel walks causal key tiles under a per-query bitmap) take the picks as that bitmap (`SelectionBits`)
-  from `topk.topk_bits`: one program per query row holds its <= BITS_MAX_KEYS scores in registers for the
-  same radix select and packs its picks 32 to a word — the scores are read once instead of five times (4
-  passes + compaction), and neither an index list nor the bitmap kernel that rebuilt a bitmap from it
-  (`mla_prefill.selection_bits`) runs (glm5-flash-31b 1 x 8k: 49 ms of 352 a step were those three).
+  from `topk.topk_bits` (Kmax <= BITS_MAX_KEYS): one program per query row runs the same radix select over
+  its row (re-read from L1/L2, not HBM, between passes) and packs its picks 32 to a word; neither an index
+  list nor the bitmap kernel that rebuilt a bitmap from it (`mla_prefill.selection_bits`) runs
+  (glm5-flash-31b on an H100: those three kernels' 49.7 ms of a 1 x 8k step -> 36.8 ms, step 362.9 -> 350.3 ms).
 * Ties: exact score ties are broken by lowest position ("triton") or torch.topk's internal order
   ("torch"), not necessarily the reference's; selection sets can differ only among positions whose
   scores tie (or nearly tie, within fp32 summation-order noise) with the k-th best. Both are undefined

@@ -97,7 +97,7 @@ from glm_ray.kernels.torch_ref.routing import moe_routing as ref_moe_routing
 from glm_ray.kernels.torch_ref.topk import SelectionBits
 
 logger = logging.getLogger(__name__)
-PREFILL_BITS = True      # `prefill_selection_bits`' switch (bench.indexer's A/B)
+PREFILL_BITS = True      # `prefill_selection_bits`' switch (bench.prefill --prefill-selection's A/B)
 
 
 def _mask_reason(selection) -> str | None:
@@ -110,8 +110,8 @@ def _mask_reason(selection) -> str | None:
 
 def prefill_selection_bits(group) -> bool:
     """Whether the indexer hands a prefill group its picks as `SelectionBits`: the group attends in the naive
-    form (the sparse MLA prefill kernel reads a bitmap), the radix top-k is on and its rows fit the registers
-    of `topk_bits` (Kmax <= BITS_MAX_KEYS). `PREFILL_BITS = False` turns it off (A/B: bench.indexer)."""
+    form (the sparse MLA prefill kernel reads a bitmap), the radix top-k is on and a row is at most
+    BITS_MAX_KEYS scores (one `topk_bits` program walks a whole row). `PREFILL_BITS = False` turns it off."""
     from glm_ray.kernels.cuda import indexer as IK  # noqa: PLC0415 (imports triton)
     return (PREFILL_BITS and group.mla_mode == "naive" and IK.TOPK_IMPL == "triton"
             and group.max_context_len <= IK.radix_topk.BITS_MAX_KEYS)
