@@ -128,25 +128,31 @@ def test_indexer_decode_cuda_graph_replay_matches_eager(monkeypatch, impl):
         _check(qi, w, key_cache, bt, cl, kmax, block_size)
 
 
+def _prefill_case(qlens, clens, *, seed, qi_dtype=torch.float32, bs=64):
+    """A prefill step's indexer inputs on scattered blocks: (qi [T, HI, DI], w [T, HI], bf16 key_cache, the
+    ForwardBatch, the generator — for further draws in the same sequence)."""
+    from glm_ray.forward_batch import build_forward_batch
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    nbs = [-(-n // bs) for n in clens]
+    perm = torch.randperm(sum(nbs), generator=g, device=DEV).tolist()
+    tables = [perm[sum(nbs[:i]):sum(nbs[:i + 1])] for i in range(len(nbs))]
+    key_cache = torch.randn(sum(nbs) * bs, DI, generator=g, device=DEV).to(torch.bfloat16)
+    qi = torch.randn(sum(qlens), HI, DI, generator=g, device=DEV).to(qi_dtype)
+    w = torch.randn(sum(qlens), HI, generator=g, device=DEV) * HI ** -0.5
+    return qi, w, key_cache, build_forward_batch(qlens, clens, tables, bs, torch.device(DEV)), g
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_indexer_prefill_matches_engine_reference(monkeypatch, impl):
     """Prefill groups (a row per query token, its causal length as the context): the same selections as
     the engine's torch reference `indexer_topk` on GLM-5 shapes, fresh prompts and chunks after a cached
     prefix, contexts below and above top-2048 (up to near-ties, as the decode tests)."""
-    from glm_ray.forward_batch import build_forward_batch
     from glm_ray.kernels.torch_ref.indexer import indexer_topk
 
     monkeypatch.setattr(K, "TOPK_IMPL", impl)
     torch.backends.cuda.matmul.allow_tf32 = False
-    g = torch.Generator(device=DEV).manual_seed(3)
-    bs, qlens, clens = 64, [300, 512, 1000], [300, 2560, 4100]
-    nbs = [-(-n // bs) for n in clens]
-    perm = torch.randperm(sum(nbs), generator=g, device=DEV).tolist()
-    tables = [perm[sum(nbs[:i]):sum(nbs[:i + 1])] for i in range(len(nbs))]
-    key_cache = torch.randn(sum(nbs) * bs, DI, generator=g, device=DEV).to(torch.bfloat16)
-    qi = torch.randn(sum(qlens), HI, DI, generator=g, device=DEV)
-    w = torch.randn(sum(qlens), HI, generator=g, device=DEV) * HI ** -0.5
-    fb = build_forward_batch(qlens, clens, tables, bs, torch.device(DEV))
+    qlens = [300, 512, 1000]
+    qi, w, key_cache, fb, _ = _prefill_case(qlens, [300, 2560, 4100], seed=3)
     checked = 0
     for group in fb.groups:
         ref = indexer_topk(qi, w, key_cache, group, TOPK).cpu()
@@ -170,28 +176,20 @@ def test_prefill_bits_through_cuda_kernels_equal_the_index_path(monkeypatch):
     `topk_bits`) holding exactly the index path's picks (`bits=False`: the radix top-k of the same scores),
     and `CudaKernels.mla_prefill` takes it with no reference fallback: its output equals the index path's
     bit for bit (GLM-5 shapes: contexts below and above top-2048, a chunk after a cached prefix)."""
-    from glm_ray.forward_batch import build_forward_batch
     from glm_ray.kernels.cuda import CudaKernels
-    from glm_ray.kernels.torch_ref.topk import SelectionBits, pack_positions
+    from glm_ray.kernels.torch_ref.topk import SelectionBits
 
     monkeypatch.setattr(K, "TOPK_IMPL", "triton")
     ck = CudaKernels()
     if ck.tk is None:
         pytest.skip(ck.triton_error)
-    g = torch.Generator(device=DEV).manual_seed(5)
-    bs, qlens, clens = 64, [300, 1000, 2500], [300, 4100, 2500]
-    nbs = [-(-n // bs) for n in clens]
-    perm = torch.randperm(sum(nbs), generator=g, device=DEV).tolist()
-    tables = [perm[sum(nbs[:i]):sum(nbs[:i + 1])] for i in range(len(nbs))]
-    key_cache = torch.randn(sum(nbs) * bs, DI, generator=g, device=DEV).to(torch.bfloat16)
-    qi = torch.randn(sum(qlens), HI, DI, generator=g, device=DEV).to(torch.bfloat16)
-    w = torch.randn(sum(qlens), HI, generator=g, device=DEV) * HI ** -0.5
+    qi, w, key_cache, fb, g = _prefill_case([300, 1000, 2500], [300, 4100, 2500], seed=5, qi_dtype=torch.bfloat16)
+    T, S = qi.shape[0], key_cache.shape[0]
     h, r, dr, dn, dv = 8, 512, 64, 192, 256                                  # GLM-5 MLA dims, 8 heads
-    q = torch.randn(sum(qlens), h, dn + dr, generator=g, device=DEV).to(torch.bfloat16)
-    kv_cache = torch.randn(sum(nbs) * bs, r + dr, generator=g, device=DEV).to(torch.bfloat16)
+    q = torch.randn(T, h, dn + dr, generator=g, device=DEV).to(torch.bfloat16)
+    kv_cache = torch.randn(S, r + dr, generator=g, device=DEV).to(torch.bfloat16)
     w_kv = (torch.randn(h * (dn + dv), r, generator=g, device=DEV) * r ** -0.5).to(torch.bfloat16)
     kv_b = lambda x: x @ w_kv.T                                               # noqa: E731
-    fb = build_forward_batch(qlens, clens, tables, bs, torch.device(DEV))
     ck.fallbacks.clear()
     sparse = 0
     for group in fb.groups:
@@ -200,9 +198,7 @@ def test_prefill_bits_through_cuda_kernels_equal_the_index_path(monkeypatch):
         sel = ck.indexer_topk(qi, w, key_cache, group, TOPK)
         assert isinstance(sel, SelectionBits)
         idx = K.indexer_prefill_topk(qi, w, key_cache, group, TOPK, max_bytes=256 << 20)   # [B, Qmax, k]
-        B, Qmax, k = idx.shape
-        want = pack_positions(idx.view(B * Qmax, k)[group.packed], -(-group.max_context_len // 32))
-        assert torch.equal(sel.bits, want)
+        assert torch.equal(sel.bits, SelectionBits.from_indices(idx, group).bits)
         kw = dict(kv_lora_rank=r, v_head_dim=dv, scale=(dn + dr) ** -0.5)
         assert torch.equal(ck.mla_prefill(q, kv_cache, group, sel, kv_b, **kw),
                            ck.mla_prefill(q, kv_cache, group, idx, kv_b, **kw))

@@ -30,7 +30,7 @@ from glm_ray.kernels.cuda.indexer import (  # noqa: E402
     select_topk,
 )
 from glm_ray.kernels.torch_ref.indexer import indexer_topk  # noqa: E402
-from glm_ray.kernels.torch_ref.topk import SelectionBits, pack_positions  # noqa: E402
+from glm_ray.kernels.torch_ref.topk import SelectionBits  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 HI, DI = 4, 16
@@ -245,9 +245,8 @@ def test_prefill_bits_are_the_picks_of_the_index_path(max_bytes):
         idx = K.indexer_prefill_topk(qi, w, key_cache, group, topk, max_bytes=max_bytes)   # [B, Qmax, k]
         sel = K.indexer_prefill_topk(qi, w, key_cache, group, topk, max_bytes=max_bytes, bits=True)
         assert isinstance(sel, SelectionBits)
-        B, Qmax, k = idx.shape
-        want = pack_positions(idx.view(B * Qmax, k)[group.packed].cpu(), -(-group.max_context_len // 32))
-        assert sel.bits.shape == want.shape and torch.equal(sel.bits.cpu(), want)
+        want = SelectionBits.from_indices(idx, group).bits
+        assert sel.bits.shape == want.shape and torch.equal(sel.bits, want)
 
 
 @pytest.mark.parametrize("query_lens,context_lens", [([12], [30]), ([7, 12, 5], [7, 30, 21])],

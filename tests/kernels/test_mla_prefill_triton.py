@@ -32,7 +32,7 @@ from glm_ray import kernels  # noqa: E402
 from glm_ray.forward_batch import build_forward_batch  # noqa: E402
 from glm_ray.kernels.cuda import mla_prefill as mp  # noqa: E402
 from glm_ray.kernels.torch_ref import attention  # noqa: E402
-from glm_ray.kernels.torch_ref.topk import SelectionBits, pack_positions  # noqa: E402
+from glm_ray.kernels.torch_ref.topk import SelectionBits  # noqa: E402
 
 H, R = 3, 32
 SMALL = (16, 16, 4, 1)                 # BLOCK_M, BLOCK_N, warps, stages: several tiles at these lengths
@@ -200,8 +200,7 @@ def test_sparse_bitmap_selection_equals_indices(chunks):
     s = make_step([21, 9, 40], [50, 9, 40], 16, seed=4)
     for g in s["groups"]:
         idx = make_selection(g, 12, seed=5)                                  # [B, Qmax, k]
-        B, qmax, k = idx.shape
-        sel = SelectionBits(pack_positions(idx.view(B * qmax, k)[g.packed], -(-g.max_context_len // 32)))
+        sel = SelectionBits.from_indices(idx, g)
         per_pos = g.num_seqs * ((R + s["dr"] + H * (s["dn"] + s["dv"])) * 4 + 8)
         max_bytes = 16 * per_pos if chunks else BIG
         out_i, ref_i = run_group(s, g, idx, max_bytes=max_bytes)

@@ -331,7 +331,8 @@ def indexer_prefill_topk(qi: torch.Tensor, w: torch.Tensor, key_cache: torch.Ten
     k = plan.k
     if bits:
         words = triton.cdiv(plan.kmax, 32)
-        picked_bits = torch.zeros(group.packed.shape[0], words, dtype=torch.int32, device=qi.device)  # [Tg, W]
+        # [Tg, W]: every word of every row is written by its chunk's topk_bits (the chunks cover all Tg rows)
+        picked_bits = torch.empty(group.packed.shape[0], words, dtype=torch.int32, device=qi.device)
     if not plan.chunks:
         return SelectionBits(picked_bits) if bits else torch.full((B, Qmax, k), -1, dtype=torch.int32, device=qi.device)
     if group.row_span is not None:                                              # the group's rows in order

@@ -100,11 +100,11 @@ logger = logging.getLogger(__name__)
 PREFILL_BITS = True      # `prefill_selection_bits`' switch (bench.prefill --prefill-selection's A/B)
 
 
-def _mask_reason(selection) -> str | None:
-    """Why a selection keeps an attention op on its reference: a bool mask (the k-pool indexer's) or a
-    bitmap on a path that reads indices."""
+def _mask_reason(selection, *, bitmap_ok: bool = False) -> str | None:
+    """Why a selection keeps an attention op on its reference: a bool mask (the k-pool indexer's), or a
+    bitmap where the kernel reads indices (`bitmap_ok`: the op's kernel reads the bitmap itself)."""
     if isinstance(selection, SelectionBits):
-        return "a bitmap selection"
+        return None if bitmap_ok else "a bitmap selection"
     return "a bool-mask selection" if selection is not None and selection.dtype == torch.bool else None
 
 
@@ -534,7 +534,7 @@ class CudaKernels:
         reason = (self._gpu_reason(q, 80, need_triton=True, op="mla_prefill")
                   or (f"dtype {q.dtype} (bf16/fp16 kernel)" if q.dtype not in HALF_DTYPES else None)
                   or (f"cache dtype {kv_cache.dtype} != {q.dtype}" if kv_cache.dtype != q.dtype else None)
-                  or (_mask_reason(selection) if not isinstance(selection, SelectionBits) else None)
+                  or _mask_reason(selection, bitmap_ok=True)
                   or (f"qk_nope_head_dim {dn} < 16" if dn < 16 else None))
         if reason is not None:
             self._fallback("mla_prefill", reason)

@@ -24,6 +24,13 @@ class SelectionBits:
     position t (its top-k of its causal positions). `indexer.selection_mask` turns it into the bool mask."""
     bits: torch.Tensor
 
+    @classmethod
+    def from_indices(cls, indices: torch.Tensor, group) -> SelectionBits:
+        """The index form [B, Qmax, k] int32 (-1 = none) of `group`'s selection as its bitmap (torch; tests and
+        references — the cuda indexer writes the bitmap itself)."""
+        B, Qmax, k = indices.shape
+        return cls(pack_positions(indices.reshape(B * Qmax, k)[group.packed], -(-group.max_context_len // 32)))
+
 
 def topk_positions(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
     """scores [B, n] fp32, lengths [B] int (positions >= lengths[b] are invalid), k >= 1 (may exceed n)
