@@ -47,10 +47,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from glm_ray.kernels.cuda import topk
 chunk, warps = int(sys.argv[1]), int(sys.argv[2])
-sig = {"s_ptr": "*fp32", "len_ptr": "*i32", "o_ptr": "*i32", "N": "i32", "K": "i32", "WORDS": "i32",
-       "stride_s": "i32", "stride_o": "i32", "CHUNK": "constexpr"}
+sig = {"s_ptr": "*fp32", "len_ptr": "*i32", "o_ptr": "*i32", "c_ptr": "*i32", "N": "i32", "K": "i32",
+       "WORDS": "i32", "CAP": "i32", "stride_s": "i32", "stride_o": "i32", "stride_c": "i32",
+       "CHUNK": "constexpr", "COMPACT": "constexpr"}
 try:
-    k = triton.compile(ASTSource(topk._topk_bits_kernel, sig, constexprs={"CHUNK": chunk}),
+    k = triton.compile(ASTSource(topk._topk_bits_kernel, sig, constexprs={"CHUNK": chunk, "COMPACT": True}),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 except (FileNotFoundError, RuntimeError) as e:
     if "ptxas" not in str(e):
