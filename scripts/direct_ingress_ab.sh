@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Serve's HTTP proxy vs Ray 2.60's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1: the ingress replica serves HTTP
 # itself on port 30000; the proxy still serves $PORT), issue #22's shared-prefix workload, prefix cache on and off.
-# One server lifetime per cache mode; inside it the same workload with fresh prefixes per run (seeds 201, 202, ...)
+# One server lifetime per cache mode; inside it the same workload with fresh prefixes per run (seed 200 + 100 C + the port's index)
 # sent to each port of PORTS in turn, so proxy and direct share a lifetime (server lifetimes differ by more than
 # most effects). Each lifetime first runs a discarded 2-group warm-up. Defaults: the tiny model on CPU, 8 groups x
 # 1024-token prefix x 8 questions of 32, output 16, C=4. On a GPU: MODEL=<dir> EXTRA="--load-format dummy --device
@@ -9,12 +9,13 @@
 # --gsp-output-len 128" C=16. LIM (s, default 900) bounds the whole script: a run that would start past LIM - RUN_S
 # (default 120) is skipped and said so. DI_ENV="RAY_SERVE_THROUGHPUT_OPTIMIZED=1" serves in Ray Serve's whole
 # throughput-optimized mode instead (direct ingress + gRPC between deployments + ...; also on port 30000).
+# CS="16 64": several concurrencies, each a run of its own (fresh prefixes) in every lifetime and port.
 #   bash scripts/direct_ingress_ab.sh        (results under ${OUT:-results/direct-ingress})
 set -uo pipefail
 OUT=${OUT:-results/direct-ingress}; mkdir -p $OUT; PORT=${PORT:-8100}; C=${C:-4}; DI=30000
 MODEL=${MODEL:-tiny}; EXTRA=${EXTRA:-}; GLMRAY=${GLMRAY:-glm-ray}; LIM=${LIM:-900}; RUN_S=${RUN_S:-120}
 GSP=${GSP:---gsp-num-groups 8 --gsp-prompts-per-group 8 --gsp-system-prompt-len 1024 --gsp-question-len 32 --gsp-output-len 16}
-T0=$(date +%s); seed=200
+T0=$(date +%s)
 for mode in ${MODES:-on off}; do
   flag=""; [ $mode = off ] && flag=--no-enable-prefix-caching
   env ${DI_ENV:-RAY_SERVE_ENABLE_DIRECT_INGRESS=1} $GLMRAY serve $MODEL $EXTRA $flag --port $PORT --metrics-port $((PORT + 1)) \
@@ -25,12 +26,15 @@ for mode in ${MODES:-on off}; do
   done
   $GLMRAY bench --base-url http://127.0.0.1:$DI --dataset-name generated-shared-prefix $GSP --gsp-num-groups 2 \
     --seed 7 --max-concurrency $C --no-progress > $OUT/warmup_$mode.txt 2>&1
-  for port in ${PORTS:-$DI $PORT}; do
-    seed=$((seed + 1))
-    if [ $(( $(date +%s) - T0 )) -gt $(( LIM - RUN_S )) ]; then echo "cache $mode, port $port: skipped (time)"; continue; fi
+  for c in ${CS:-$C}; do
+  pi=0
+  for port in ${PORTS:-$DI $PORT}; do         # fresh prefixes per run; the same prompts per (C, port) in each mode
+    pi=$((pi + 1)); seed=$((200 + 100 * c + pi))
+    if [ $(( $(date +%s) - T0 )) -gt $(( LIM - RUN_S )) ]; then echo "cache $mode, port $port, C=$c: skipped (time)"; continue; fi
     $GLMRAY bench --base-url http://127.0.0.1:$port --dataset-name generated-shared-prefix $GSP --seed $seed \
-      --max-concurrency $C --tag "prefix_cache=$mode,port=$port" --output-file $OUT/gsp_${mode}_$port.jsonl \
-      --no-progress > $OUT/bench_${mode}_$port.txt 2>&1
+      --max-concurrency $c --tag "prefix_cache=$mode,port=$port,C=$c" --output-file $OUT/gsp_${mode}_${port}_c$c.jsonl \
+      --no-progress --no-plot > $OUT/bench_${mode}_${port}_c$c.txt 2>&1
+  done
   done
   grep -o "ingress: TTFT split.*" $OUT/serve_$mode.log | cut -c1-300 > $OUT/ttft_split_$mode.txt
   grep -o "engine: prompt.*" $OUT/serve_$mode.log | grep -v "generation 0.0 tok/s" | cut -c1-560 > $OUT/stats_lines_$mode.txt
@@ -40,18 +44,18 @@ python3 - "$OUT" $DI <<'PY'
 import glob, json, os, sys
 out, direct = sys.argv[1], sys.argv[2]
 rows = {}
-for f in sorted(glob.glob(f"{out}/gsp_*_*.jsonl")):
-    mode, port = os.path.basename(f)[4:-6].split("_")
-    rows[mode, port] = json.loads(open(f).read().splitlines()[-1])
-print(f"{'cache':>5} {'path':>14} {'hit rate':>8} {'mean TTFT':>10} {'median':>8} {'mean ITL':>9} {'out tok/s':>10}")
-for (mode, port), r in rows.items():
+for f in sorted(glob.glob(f"{out}/gsp_*_*_c*.jsonl")):
+    mode, port, c = os.path.basename(f)[4:-6].split("_")
+    rows[mode, port, int(c[1:])] = json.loads(open(f).read().splitlines()[-1])
+print(f"{'cache':>5} {'path':>14} {'C':>4} {'hit rate':>8} {'mean TTFT':>10} {'median':>8} {'mean ITL':>9} {'out tok/s':>10}")
+for (mode, port, c), r in sorted(rows.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
     path = "direct :" + port if port == direct else "proxy :" + port
-    print(f"{mode:>5} {path:>14} {r.get('prefix_cache_hit_rate') or 0:8.3f} {r['mean_ttft_ms']:10.1f} "
+    print(f"{mode:>5} {path:>14} {c:4d} {r.get('prefix_cache_hit_rate') or 0:8.3f} {r['mean_ttft_ms']:10.1f} "
           f"{r['median_ttft_ms']:8.1f} {r['mean_itl_ms']:9.2f} {r['output_throughput']:10.1f}")
-for port in sorted({p for _, p in rows}):
-    on, off = rows.get(("on", port)), rows.get(("off", port))
+for port, c in sorted({(p, c) for _, p, c in rows}):
+    on, off = rows.get(("on", port, c)), rows.get(("off", port, c))
     if on and off:
-        print(f"port {port}: mean TTFT off/on {off['mean_ttft_ms'] / on['mean_ttft_ms']:.2f}, "
+        print(f"port {port}, C={c}: mean TTFT off/on {off['mean_ttft_ms'] / on['mean_ttft_ms']:.2f}, "
               f"median off/on {off['median_ttft_ms'] / on['median_ttft_ms']:.2f}")
 PY
 for mode in ${MODES:-on off}; do echo "-- the ingress's TTFT split, cache $mode"; tail -6 $OUT/ttft_split_$mode.txt; done
