@@ -30,7 +30,16 @@ import torch
 import triton
 import triton.language as tl
 
-from glm_ray.kernels.cuda.mla_decode import INTERPRET, LOG2E, MAX_SPLITS, MERGE_R, NUM_SMS, _config, _mla_merge_kernel
+from glm_ray.kernels.cuda.mla_decode import (
+    INTERPRET,
+    LOG2E,
+    MAX_SPLITS,
+    MERGE_R,
+    NUM_SMS,
+    _config,
+    _latent_step,
+    _mla_merge_kernel,
+)
 
 WALK = 2                  # a multi-row DSA tile walks its context densely while it is <= WALK * K keys
 BITS_BLOCK = 1024         # indices per step of the bitmap kernel
@@ -59,30 +68,6 @@ def _index_bits_kernel(idx_ptr, bits_ptr, K, WORDS, stride_ib, BLOCK_K: tl.const
         pos = tl.where(ok, pos, 0)
         tl.atomic_or(bits_ptr + b.to(tl.int64) * WORDS + pos // 32, (1 << (pos % 32)).to(tl.int32), mask=ok,
                      sem="relaxed")
-
-
-@triton.jit
-def _rows_tile(pos, kvalid, rmask, q_nope, q_pe, m_i, l_i, acc, kv_ptr, bt_row, qk_scale, stride_kv,
-               dn, dp, dn_ok, dp_ok, R: tl.constexpr, BLOCK_SIZE: tl.constexpr, INTERP: tl.constexpr):
-    """One tile of keys at positions pos [BN] (kvalid: loadable) for the [M] query rows, rmask [M, BN] the
-    (row, key) pairs that count: returns (m_i, l_i, acc) after the online-softmax step."""
-    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=kvalid, other=0)
-    slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE                   # [BN]
-    rows = kv_ptr + slot[:, None] * stride_kv                                 # [BN, 1]
-    c = tl.load(rows + dn[None, :], mask=kvalid[:, None] & dn_ok[None, :], other=0.0)          # [BN, BR]
-    k_pe = tl.load(rows + R + dp[None, :], mask=kvalid[:, None] & dp_ok[None, :], other=0.0)   # [BN, BDR]
-    if INTERP:
-        c = c.to(tl.float32)
-        k_pe = k_pe.to(tl.float32)
-    s = tl.dot(q_nope, tl.trans(c))
-    s = tl.dot(q_pe, tl.trans(k_pe), s)                                       # [M, BN]
-    s = tl.where(rmask, s * qk_scale, float("-inf"))                          # base-2 logits
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])                                           # [M, BN]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)                     # [M, BR]
-    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS", "B", "WORDS"])
@@ -138,7 +123,7 @@ def _mla_rows_kernel(q_ptr, kv_ptr, bt_ptr, cl_ptr, rf_ptr, idx_ptr, bits_ptr, o
                     word = tl.load(bits_ptr + row.to(tl.int64)[:, None] * WORDS + (pos // 32)[None, :],
                                    mask=rmask, other=0)                        # [M, BN]
                     rmask = rmask & (((word >> (pos % 32)[None, :]) & 1) != 0)
-                m_i, l_i, acc = _rows_tile(pos, kvalid, rmask, q_nope, q_pe, m_i, l_i, acc, kv_ptr, bt_row,
+                m_i, l_i, acc = _latent_step(pos, kvalid, rmask, q_nope, q_pe, m_i, l_i, acc, kv_ptr, bt_row,
                                            qk_scale, stride_kv, dn, dp, dn_ok, dp_ok, R, BLOCK_SIZE, INTERP)
         else:                                                                 # each row's picks in turn
             per = tl.cdiv(tl.cdiv(K_IDX, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -152,7 +137,7 @@ def _mla_rows_kernel(q_ptr, kv_ptr, bt_ptr, cl_ptr, rf_ptr, idx_ptr, bits_ptr, o
                     pos = tl.load(idx_row + offs, mask=offs < end, other=-1).to(tl.int32)   # [BN]
                     kvalid = (pos >= 0) & (pos < ctx_j)
                     rmask = (live & (j == jj))[:, None] & kvalid[None, :]     # [M, BN] row jj only
-                    m_i, l_i, acc = _rows_tile(pos, kvalid, rmask, q_nope, q_pe, m_i, l_i, acc, kv_ptr, bt_row,
+                    m_i, l_i, acc = _latent_step(pos, kvalid, rmask, q_nope, q_pe, m_i, l_i, acc, kv_ptr, bt_row,
                                                qk_scale, stride_kv, dn, dp, dn_ok, dp_ok, R, BLOCK_SIZE, INTERP)
         nonempty = l_i > 0.0
         o = acc / tl.where(nonempty, l_i, 1.0)[:, None]                       # [M, BR]
