@@ -51,11 +51,6 @@ class AttnGroup:
     # prefill step's group whose sequences sit back to back), so per-row gathers (`x[q_index[:, 0]]`)
     # and scatters back can be slices (None: use the indices)
     row_span: tuple[int, int] | None = None
-    # absorbed groups holding a chunk's one-query rows (`_attention_units`): those rows of one sequence are
-    # consecutive runs over the same block table. run_first [B] int32: the first row of each row's run (a row
-    # alone is its own); run_lens (host): the runs' lengths in row order. None: every row is its own run.
-    run_first: torch.Tensor | None = None
-    run_lens: tuple[int, ...] | None = None
     _views: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _plans: dict = field(default_factory=dict, init=False, repr=False)   # kernel plans derived from the metadata (`plan`)
 
@@ -155,24 +150,18 @@ def build_forward_batch(query_lens: list[int], context_lens: list[int], block_ta
     seq, uq, ucl, ustart = _attention_units(ql, cl, starts, absorb_tokens if mla_mode == "auto" else 0)
     parts = _partition(uq.tolist(), ucl.tolist())
     per_group = []                              # each group's 7 AttnGroup arrays + state slots + state fresh
-    runs = []                                   # [+ run_first] of groups holding runs, and their run lengths
-    for idx, mode in parts:
+    for idx, _ in parts:
         idx = np.asarray(idx, dtype=np.int64)
         u = seq[idx]                                                         # the units' sequences
         per_group.append([*_group(uq[idx], ucl[idx], ustart[idx], bt[u]), slots[u], ucl[idx] == uq[idx]])
-        runs.append(_runs(u) if mode == "absorbed" and u.shape[0] > np.unique(u).shape[0] else None)
-        if runs[-1] is not None:
-            per_group[-1].append(runs[-1][0])
     dev = iter(stage([positions, slot_mapping, *itertools.chain.from_iterable(per_group)], torch.device(device)))
     positions_d, slot_mapping_d = next(dev), next(dev)
     groups = []
-    for h, (_, mode), run in zip(per_group, parts, runs):
+    for h, (_, mode) in zip(per_group, parts):
         d = [next(dev) for _ in h]
         groups.append(AttnGroup(*d[:7], block_size=block_size, max_context_len=int(h[5].max()),
                                 mla_mode=mode if mla_mode == "auto" else mla_mode, state_slots=d[7],
-                                state_fresh=d[8], row_span=_span(h[0]),
-                                run_first=d[9] if run is not None else None,
-                                run_lens=run[1] if run is not None else None))
+                                state_fresh=d[8], row_span=_span(h[0])))
     return ForwardBatch(positions=positions_d, slot_mapping=slot_mapping_d, groups=tuple(groups),
                         max_context_len=int(cl.max()))
 
@@ -210,14 +199,6 @@ def _attention_units(ql: np.ndarray, cl: np.ndarray, starts: np.ndarray, absorb_
     uq = np.where(row, 1, ql[seq])
     ucl = np.where(row, cl[seq] - ql[seq] + k + 1, cl[seq])
     return seq, uq, ucl, starts[seq] + k
-
-
-def _runs(u: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
-    """The runs of equal consecutive sequence ids u [B]: (run_first [B] int32 first row of each row's run, the
-    runs' lengths)."""
-    starts = np.flatnonzero(np.r_[True, u[1:] != u[:-1]])                    # [runs] first row of each run
-    lens = np.diff(np.r_[starts, u.shape[0]])                                # [runs]
-    return np.repeat(starts, lens).astype(np.int32), tuple(int(n) for n in lens)
 
 
 def _span(token_index: np.ndarray) -> tuple[int, int] | None:

@@ -226,31 +226,3 @@ def test_absorbed_rows_keep_the_index_scores_bounded(monkeypatch):
     dec, *pre = b.groups
     assert dec.q_index.shape == (201, 1) and [g.query_lens.tolist() for g in pre] == [[100]]
     assert sorted(torch.cat([g.token_index for g in b.groups]).tolist()) == list(range(301))
-
-
-def test_absorbed_runs_are_consecutive_rows_of_one_sequence():
-    """Random steps of decodes and short chunks over cached contexts (absorbed into the decode group, whose rows the
-    buckets may split): every group with runs marks them so that a run's rows share the block table, their
-    contexts grow by one, and run_lens partitions the rows in order; groups without runs have none."""
-    import numpy as np
-    rng = np.random.default_rng(3)
-    for _ in range(40):
-        B = int(rng.integers(1, 9))
-        ql = [int(rng.choice([1, 1, int(rng.integers(2, 9))])) for _ in range(B)]
-        cl = [q + int(rng.integers(0 if q == 1 else q, 40)) for q in ql]
-        tables, nxt = [], 0
-        for c in cl:                                                           # test setup, per sequence
-            n = -(-c // 4)
-            tables.append(list(range(nxt, nxt + n)))
-            nxt += n
-        fb = build_forward_batch(ql, cl, tables, 4, "cpu", absorb_tokens=8)
-        for g in fb.groups:
-            if g.run_first is None:
-                assert g.run_lens is None
-                continue
-            first, ctx, bt = g.run_first.tolist(), g.context_lens.tolist(), g.block_table
-            starts = [i for i in range(len(first)) if first[i] == i]
-            assert [b - a for a, b in zip(starts, starts[1:] + [len(first)])] == list(g.run_lens)
-            for i, f in enumerate(first):
-                assert f <= i and ctx[i] == ctx[f] + (i - f) and bool((bt[i] == bt[f]).all())
-            assert g.mla_mode == "absorbed" and max(g.run_lens) > 1

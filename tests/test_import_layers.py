@@ -45,7 +45,6 @@ DEFERRED = {
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.mhc"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.kda"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.mla_decode"): "triton, only on the cuda backend",
-    ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.mla_rows"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.mla_prefill"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.indexer"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.routing"): "triton, only on the cuda backend",

@@ -28,18 +28,10 @@ dense BF16 peak (no sparsity). `--config BM BN WARPS STAGES` times
 one kernel config instead of the table's (tuning); `--sparse-tiles skip noskip` times
 the sparse rows once per way of walking the tiles (`mla_prefill.SparseTiles`; the default: the shipped one),
 `--sparse-only` skips the dense rows of sparse shapes.
-
-`--mode tails` (`--tail-shapes SxL --prefix P --decodes N`): a mixed step's decode group holding S chunk tails of
-L one-query rows over P cached tokens (a prefix-cache hit's tail, absorbed) beside N decode rows at context P + L,
-dense and DSA-sparse (K = 2048 random picks of each row's context, all of it below K): the per-row decode kernel
-(`mla_decode_paged`, `rows_us`) against the run kernel (`mla_rows.mla_decode_runs`, `runs_us`), CUDA-graph replays
-(device time), L2 flushed, interleaved over 3 rounds (best of each), outputs compared first (`max_rel`). tflops =
-2 * h * (D + r) per (row, attended key) / time.
 """
 from __future__ import annotations
 
 import argparse
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +41,6 @@ from glm_ray.bench.table import append_rows, print_rows
 from glm_ray.forward_batch import build_forward_batch
 from glm_ray.kernels.cuda.mla_decode import default_num_splits, mla_decode_paged
 from glm_ray.kernels.cuda.mla_prefill import SparseTiles, mla_prefill_group
-from glm_ray.kernels.cuda.mla_rows import mla_decode_runs
 from glm_ray.kernels.torch_ref.attention import ATTN_BYTES
 from glm_ray.kernels.torch_ref.attention import mla_decode as ref_mla_decode
 from glm_ray.kernels.torch_ref.attention import mla_prefill as ref_mla_prefill
@@ -267,68 +258,6 @@ PREFILL_COLS = ["h", "B", "L", "prefix", "mode", "us", "expand_us", "attn_us", "
                 "ref_us", "speedup"]
 
 
-def _tails_case(h: int, S: int, L: int, prefix: int, decodes: int, block_size: int, sparse: bool, g,
-                dev: str = "cuda"):
-    """S runs of L rows (contexts prefix + 1 .. prefix + L, one block table each) then `decodes` single rows at
-    context prefix + L: (q, kv, block_table, context_lens, run_first, run_lens, indices or None) on `dev`."""
-    ctx_max = prefix + L
-    nb = -(-ctx_max // block_size)
-    seqs = S + decodes
-    perm = torch.randperm(seqs * nb, generator=g).view(seqs, nb).int()
-    lens = [L] * S + [1] * decodes
-    table = torch.repeat_interleave(perm, torch.tensor(lens), dim=0)          # [B, nb] a run's rows share a table
-    ctx = torch.tensor([prefix + i + 1 for _ in range(S) for i in range(L)] + [ctx_max] * decodes, dtype=torch.int32)
-    first = torch.repeat_interleave(torch.cumsum(torch.tensor([0] + lens[:-1]), 0), torch.tensor(lens)).int()
-    B = ctx.shape[0]
-    kv = torch.randn(seqs * nb * block_size, D, device=dev, dtype=torch.bfloat16)
-    q = torch.randn(B, h, D, device=dev, dtype=torch.bfloat16)
-    idx = None
-    if sparse:
-        idx = torch.full((B, SPARSE_K), -1, dtype=torch.int32)
-        for b, n in enumerate(ctx.tolist()):                                    # bench setup, per row
-            k = min(n, SPARSE_K)
-            idx[b, :k] = torch.randperm(n, generator=g)[:k].int()
-        idx = idx.to(dev)
-    return q, kv, table.to(dev), ctx.to(dev), first.to(dev), tuple(lens), idx
-
-
-def run_tails(heads: list[int], shapes: list[tuple[int, int]], prefix: int, decodes: int, block_size: int,
-              iters: int) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    scale = 192 ** -0.5
-    rows = []
-    for h in heads:
-        for S, L in shapes:
-            for sparse in (False, True):
-                q, kv, bt, cl, first, lens, idx = _tails_case(h, S, L, prefix, decodes, block_size, sparse, g)
-                ctx_max = prefix + L
-                per_row = partial(mla_decode_paged, q, kv, bt, cl, block_size, kv_lora_rank=R, scale=scale,
-                                  indices=idx)
-                runs = partial(mla_decode_runs, q, kv, bt, cl, block_size, first, lens, ctx_max, kv_lora_rank=R,
-                               scale=scale, indices=idx)
-                a, b = per_row().float(), runs().float()
-                max_rel = float(((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)).max())
-                t = {"rows_us": [], "runs_us": []}
-                for _ in range(3):                                          # interleaved, best of each
-                    t["rows_us"].append(_time_ms(per_row, iters) * 1e3)
-                    t["runs_us"].append(_time_ms(runs, iters) * 1e3)
-                keys = cl.clamp(max=SPARSE_K) if sparse else cl
-                flop = 2 * h * (D + R) * float(keys.sum())
-                row = {"h": h, "tails": S, "L": L, "prefix": prefix, "decodes": decodes, "rows": int(cl.shape[0]),
-                       "mode": "sparse" if sparse else "dense", "rows_us": min(t["rows_us"]),
-                       "runs_us": min(t["runs_us"]), "max_rel": max_rel}
-                row["rows_tflops"] = flop / row["rows_us"] / 1e6
-                row["runs_tflops"] = flop / row["runs_us"] / 1e6
-                row["speedup"] = row["rows_us"] / row["runs_us"]
-                rows.append(row)
-        print_rows(rows, TAILS_COLS, width=11)
-    return rows
-
-
-TAILS_COLS = ["h", "tails", "L", "prefix", "decodes", "mode", "rows_us", "runs_us", "speedup", "rows_tflops",
-              "runs_tflops", "max_rel"]
-
-
 def tiles_name(t: SparseTiles) -> str:
     return "skip" if t.skip_empty else "noskip"
 
@@ -346,7 +275,7 @@ def _shape(text: str) -> tuple[int, int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["decode", "prefill", "tails"], default="decode", help="which kernel to time")
+    p.add_argument("--mode", choices=["decode", "prefill"], default="decode", help="which kernel to time")
     p.add_argument("--heads", type=int, nargs="+", default=[16, 32, 64], help="query heads per rank (h)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64], help="decode sequences (B)")
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768], help="dense context lengths")
@@ -356,10 +285,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--prefill-shapes", type=_shape, nargs="+", default=[(1, 1024), (8, 1024), (1, 8192), (4, 8192)],
                    metavar="BxL", help="prefill mode: B fresh prompts of L tokens each")
-    p.add_argument("--prefix", type=int, default=0, help="prefill / tails mode: cached tokens before each prompt")
-    p.add_argument("--tail-shapes", type=_shape, nargs="+", default=[(1, 128), (2, 128), (1, 256)], metavar="SxL",
-                   help="tails mode: S chunk tails of L rows each")
-    p.add_argument("--decodes", type=int, default=15, help="tails mode: decode rows beside the tails")
+    p.add_argument("--prefix", type=int, default=0, help="prefill mode: cached tokens before each prompt")
     p.add_argument("--prefill-dims", choices=list(PREFILL_DIMS), default="glm5",
                    help="prefill mode: head dims, glm5 = qk 192+64 / v 256, glm53 = NoPE qk 256 / v 256")
     p.add_argument("--config", type=int, nargs=4, default=None, metavar=("BM", "BN", "WARPS", "STAGES"),
@@ -377,9 +303,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("glm_ray.bench.attention needs a CUDA GPU")
-    if a.mode == "tails":
-        rows = run_tails(a.heads, a.tail_shapes, a.prefix or 2048, a.decodes, a.block_size, a.iters)
-    elif a.mode == "prefill":
+    if a.mode == "prefill":
         rows = run_prefill(a.heads, a.prefill_shapes, a.prefix, PREFILL_DIMS[a.prefill_dims], a.block_size, a.iters,
                            not a.no_reference, tuple(a.config) if a.config else None,
                            [TILES[n] for n in a.sparse_tiles] if a.sparse_tiles else None, a.sparse_only)

@@ -14,8 +14,7 @@ L-token prompts, causal) against the torch reference `indexer_topk`, eagerly (CU
 (an fp32 query, `--qi-dtype float32`, runs as 3 bf16 dots, so the tensor cores do 3x that work). Beside it,
 interleaved in 3 rounds (best of each): the index list + the sparse MLA prefill's bitmap kernel
 (`idx_bits_us`, the path before `SelectionBits`) vs the bitmap written by the top-k (`bits_us`), and their
-ratio (`bits_gain`); the two bitmaps are checked equal first. `nocand_us`: the bitmap top-k with its candidate
-compaction off (`topk.BITS_CAND = 0`: every radix pass walks the whole row), `cand_gain` = nocand / bits.
+ratio (`bits_gain`); the two bitmaps are checked equal first.
 
 --topk-only times the top-k alone (`select_topk` on random fp32 scores [B, context], every row full):
 the Triton radix select (kernels/cuda/topk.py) against torch.topk, same timing method.
@@ -119,7 +118,7 @@ def run_topk(batches: list[int], contexts: list[int], *, topk: int = 2048, iters
 
 
 PREFILL_COLS = ["B", "L", "rows", "us", "TFLOPS", "peak_ratio", "ref_us", "speedup", "idx_bits_us", "bits_us",
-                "bits_TFLOPS", "bits_gain", "nocand_us", "cand_gain"]
+                "bits_TFLOPS", "bits_gain"]
 
 
 @torch.inference_mode()
@@ -147,17 +146,13 @@ def run_prefill(shapes: list[tuple[int, int]], *, heads: int = 32, head_dim: int
         bits_ok = L <= K.radix_topk.BITS_MAX_KEYS and K.TOPK_IMPL == "triton"
         if bits_ok:
             assert torch.equal(index(bits=True).bits, mp.selection_bits(index(), plan)), "bitmap != the index picks"
-        ts = {"us": [], "idx_bits_us": [], "bits_us": [], "nocand_us": []}
-        cand = K.radix_topk.BITS_CAND
+        ts = {"us": [], "idx_bits_us": [], "bits_us": []}
         for _ in range(3):                                                   # the forms interleaved, 3 rounds
             ts["us"].append(eager_us(index, iters))
             if bits_ok:
                 ts["idx_bits_us"].append(eager_us(lambda: mp.selection_bits(index(), plan), iters))
                 ts["bits_us"].append(eager_us(partial(index, bits=True), iters))
-                K.radix_topk.BITS_CAND = 0.0                                 # topk_bits without the compaction
-                ts["nocand_us"].append(eager_us(partial(index, bits=True), iters))
-                K.radix_topk.BITS_CAND = cand
-        t, t_ib, t_b, t_nc = (min(v) if v else float("nan") for v in ts.values())
+        t, t_ib, t_b = (min(v) if v else float("nan") for v in ts.values())
         t_ref = eager_us(partial(ref_topk, qi, w, key_cache, group, topk), max(2, iters // 3))
         flop = B * L * (L + 1) / 2 * heads * head_dim * 2
         tflops = flop / (t * 1e-6) / 1e12
@@ -165,9 +160,9 @@ def run_prefill(shapes: list[tuple[int, int]], *, heads: int = 32, head_dim: int
                      "topk": topk, "topk_impl": K.TOPK_IMPL, "qi_dtype": str(qi_dtype).removeprefix("torch."),
                      "us": t, "TFLOPS": tflops,
                      "peak_ratio": tflops / PEAK_BF16_TFLOPS, "ref_us": t_ref, "speedup": t_ref / t,
-                     "bits_chunk": K.radix_topk.BITS_CHUNK, "bits_warps": K.radix_topk.BITS_WARPS, "bits_cand": cand,
+                     "bits_chunk": K.radix_topk.BITS_CHUNK, "bits_warps": K.radix_topk.BITS_WARPS,
                      "idx_bits_us": t_ib, "bits_us": t_b, "bits_TFLOPS": flop / (t_b * 1e-6) / 1e12,
-                     "bits_gain": t_ib / t_b, "nocand_us": t_nc, "cand_gain": t_nc / t_b})
+                     "bits_gain": t_ib / t_b})
         del key_cache, qi, w, group
     return rows
 
@@ -191,8 +186,6 @@ def main(argv=None) -> int:
                    help="override the top-k's target programs per launch (topk.TARGET_PROGRAMS)")
     p.add_argument("--bits-chunk", type=int, default=None, help="override topk_bits' scores per loop step")
     p.add_argument("--bits-warps", type=int, default=None, help="override topk_bits' warps per program")
-    p.add_argument("--bits-cand", type=float, default=None,
-                   help="override topk_bits' candidate scratch (fraction of a row; 0: no compaction)")
     p.add_argument("--topk-only", action="store_true", help="time the top-k alone: Triton vs torch.topk")
     p.add_argument("--parts", type=int, default=None, help="override the bf16 parts of an fp32 query (1-3)")
     p.add_argument("--prefill", nargs="+", default=None, metavar="BxL",
@@ -220,8 +213,6 @@ def main(argv=None) -> int:
         K.radix_topk.BITS_CHUNK = a.bits_chunk
     if a.bits_warps:
         K.radix_topk.BITS_WARPS = a.bits_warps
-    if a.bits_cand is not None:
-        K.radix_topk.BITS_CAND = a.bits_cand
     if a.topk_programs:
         K.radix_topk.TARGET_PROGRAMS = a.topk_programs
     if a.prefill:

@@ -59,9 +59,7 @@ class KernelOps:
     # groups (any group when mla_mode forces it, so Qmax may exceed 1): (q [T, h, r+dr] W_UK-absorbed |
     # roped, kv_cache [S, r+dr], group, selection, *, kv_lora_rank r, scale, max_bytes) -> o_lat [Tg, h, r]
     # (the layer unfolds W_UV). A paged kernel reads the cache rows through group.block_table /
-    # group.context_lens (dense) or the top-k positions (sparse); the references use the padded views. A group
-    # with runs (group.run_first: an absorbed chunk's rows, consecutive, one block table) may share key reads
-    # across a run's rows (cuda: kernels/cuda/mla_rows.py).
+    # group.context_lens (dense) or the top-k positions (sparse); the references use the padded views.
     mla_decode: Callable | None = None
     # DSA lightning indexer scoring + top-k (GLM-5): (qi [T, Hi, di] fp32 or bf16 (wq_b's output dtype; scored
     # in fp32), w [T, Hi] fp32 head weights, key_cache [S, di], group, topk, *, max_bytes)

@@ -10,8 +10,7 @@ shaped like those paths (the same sequence on every rank, so a TP group's collec
 1. a fresh prompt one block longer than `index_topk` (its last queries select: sparse prefill);
 2. a one-block chunk after that prompt (a cached prefix); where the runner absorbs short chunks (its
    `absorb_tokens`: the backend's threshold or GLM_RAY_ABSORB_PREFILL_TOKENS) in both MLA forms (absorbed
-   one-query rows, and the naive prefill a longer chunk takes), plus a chunk of that many rows, and chunks over
-   contexts short enough to attend densely (`warmup_steps`);
+   one-query rows, and the naive prefill a longer chunk takes), plus a chunk of that many rows (`warmup_steps`);
 3. a mixed step: that sequence decoding one token (context past index_topk) beside a fresh one-block prompt;
 4. fresh prompts of 8 and 16 blocks: mid-size prefills, whose rows per expert pick the grouped MoE's other
    tile classes (e.g. 512 tokens: 32 rows per expert at 64 experts x top-4; 1024: at 256 x top-8) and, from
@@ -70,13 +69,6 @@ def warmup_steps(plan: list[tuple], absorb_tokens: int, block_size: int, max_len
         nb = -(-(long + n) // block_size)
         if long + n <= max_len and nb <= num_blocks and n > plan[1][0][0]:
             steps.insert(3, (([n], [long + n], [list(range(nb))]), absorb_tokens))
-        # runs over contexts the indexer leaves dense (<= index_topk: A's prompt is one block past it), a block's
-        # rows and the widest such chunk: the run kernel's dense variants, split and unsplit (kernels/cuda/mla_rows)
-        dense_max = long - block_size
-        for n in dict.fromkeys((block_size, min(absorb_tokens, dense_max // 2))):
-            nb = -(-2 * n // block_size)
-            if 1 < n and 2 * n <= min(dense_max, max_len) and nb <= num_blocks:
-                steps.append((([n], [2 * n], [list(range(nb))]), absorb_tokens))
     return steps
 
 

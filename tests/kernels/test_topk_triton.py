@@ -144,15 +144,6 @@ def bits_chunk(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=[0.0, 0.1, 1.0], ids=lambda f: f"cand{f}")
-def bits_cand(request, monkeypatch):
-    """The candidates' scratch as a fraction of the row: 0 (no compaction: every pass walks the row), 0.1 (rows
-    with more candidates than that fall back to the walks, the others compact: both branches in one launch), 1.0
-    (every row compacts)."""
-    monkeypatch.setattr(T, "BITS_CAND", request.param)
-    return request.param
-
-
 def run_bits(scores, lens, k, words=None):
     out = T.topk_bits(scores.to(DEV), lens.to(DEV), k, words).cpu()
     ref = ref_bits(scores, lens, k, words)                                     # from the reference positions
@@ -168,7 +159,7 @@ def run_bits(scores, lens, k, words=None):
 
 @pytest.mark.parametrize("n", [40, 300, 1024])
 @pytest.mark.parametrize("k", [8, 64, 512])
-def test_bits_distinct_scores(n, k, bits_chunk, bits_cand):
+def test_bits_distinct_scores(n, k, bits_chunk):
     """Continuous scores at lengths below, at and above k; n not a multiple of 32 (a partial last word)."""
     g = torch.Generator().manual_seed(n * 10 + k)
     scores = torch.randn(3, n, generator=g) * 10
@@ -176,7 +167,7 @@ def test_bits_distinct_scores(n, k, bits_chunk, bits_cand):
 
 
 @pytest.mark.parametrize("k", [1, 8, 100, 333])
-def test_bits_ties_and_special_values(k, bits_chunk, bits_cand):
+def test_bits_ties_and_special_values(k, bits_chunk):
     """The radix-select cases of `test_ties_and_special_values` (exact ties, all-equal rows, +-0.0, -inf inside
     the context, fewer finite keys than k, length 1): the tie cut takes the lowest positions."""
     g = torch.Generator().manual_seed(k)

@@ -28,14 +28,11 @@ def test_absorbed_chunks_warm_both_forms_and_the_wide_grid():
     plan = warmup.warmup_plan(index_topk=64, block_size=16, max_len=4096, num_blocks=100)
     assert warmup.warmup_steps(plan, 0, 16, 4096, 100) == [(s, 0) for s in plan]
     steps = warmup.warmup_steps(plan, 256, 16, 4096, 100)
-    assert [a for _, a in steps] == [256, 256, 0, 256, 256, 256, 256, 256, 256]
+    assert [a for _, a in steps] == [256, 256, 0, 256, 256, 256, 256]
     assert steps[1][0] == steps[2][0] == plan[1]                         # the one-block chunk, absorbed and naive
     (q, c, t), _ = steps[3]
     assert q == [80] and c == [160] and t == [list(range(10))]          # 80 rows (all of A's prompt) over 80 cached
-    # absorbed runs the indexer leaves dense (context <= index_topk = 64): a block's rows, and 32 rows
-    assert [s for s, _ in steps[-2:]] == [([16], [32], [[0, 1]]), ([32], [64], [[0, 1, 2, 3]])]
-    assert len(warmup.warmup_steps(plan, 256, 16, 100, 100)) == 8        # max_len too short for the wide chunk
-    assert len(warmup.warmup_steps(plan, 16, 16, 4096, 100)) == 7        # absorb 16: one dense run (16 rows)
+    assert len(warmup.warmup_steps(plan, 256, 16, 100, 100)) == 6        # max_len too short for the wide chunk
 
 
 def _outputs(path, monkeypatch, mode):
@@ -62,8 +59,8 @@ def test_warm_up_leaves_outputs_unchanged(model, tiny_dir, tmp_path, monkeypatch
     assert ran == []
     warm = _outputs(path, monkeypatch, "on")
     # the five planned steps ran; where short chunks are absorbed (GLM-5), the cached-prefix chunk in both MLA
-    # forms, a wide absorbed chunk and a chunk over a context the indexer leaves dense too
-    assert ran == [8 if model == "glm5" else 5]
+    # forms and a wide absorbed chunk too
+    assert ran == [7 if model == "glm5" else 5]
     for (ta, la), (tb, lb) in zip(cold, warm):
         assert ta == tb
         for x, y in zip(la, lb):

@@ -94,32 +94,6 @@ def default_num_splits(batch: int, h: int, D: int, key_range: int, block_h: int 
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _latent_step(pos, kvalid, pmask, q_nope, q_pe, m_i, l_i, acc, kv_ptr, bt_row, qk_scale, stride_kv,
-                 dn, dp, dn_ok, dp_ok, R: tl.constexpr, BLOCK_SIZE: tl.constexpr, INTERP: tl.constexpr):
-    """One tile of keys at positions pos [BN] (kvalid: loaded) for the query rows of q_nope / q_pe, under the
-    online softmax: pmask (broadcast to [rows, BN]) the (query, key) pairs that count. The tile's cache slots come
-    from the block table; its [BN, r] latent and [BN, dr] rope parts are loaded once and serve as K (two dots)
-    and V (the latent part again). Returns (m_i, l_i, acc)."""
-    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=kvalid, other=0)
-    slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE                   # [BN]
-    rows = kv_ptr + slot[:, None] * stride_kv                                 # [BN, 1]
-    c = tl.load(rows + dn[None, :], mask=kvalid[:, None] & dn_ok[None, :], other=0.0)          # [BN, BR]
-    k_pe = tl.load(rows + R + dp[None, :], mask=kvalid[:, None] & dp_ok[None, :], other=0.0)   # [BN, BDR]
-    if INTERP:
-        c = c.to(tl.float32)
-        k_pe = k_pe.to(tl.float32)
-    s = tl.dot(q_nope, tl.trans(c))
-    s = tl.dot(q_pe, tl.trans(k_pe), s)                                       # [BH, BN]
-    s = tl.where(pmask, s * qk_scale, float("-inf"))                          # base-2 logits
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])                                           # [BH, BN]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)                     # [BH, BR]
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _mla_tile(n0, end, ctx, q_nope, q_pe, m_i, l_i, acc, kv_ptr, bt_row, idx_row, qk_scale, stride_kv,
               dn, dp, dn_ok, dp_ok, R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
               SPARSE: tl.constexpr, INTERP: tl.constexpr):
@@ -132,8 +106,23 @@ def _mla_tile(n0, end, ctx, q_nope, q_pe, m_i, l_i, acc, kv_ptr, bt_row, idx_row
     else:
         pos = offs
         valid = offs < end
-    return _latent_step(pos, valid, valid[None, :], q_nope, q_pe, m_i, l_i, acc, kv_ptr, bt_row, qk_scale,
-                        stride_kv, dn, dp, dn_ok, dp_ok, R, BLOCK_SIZE, INTERP)
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0)
+    slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE                   # [BN]
+    rows = kv_ptr + slot[:, None] * stride_kv                                 # [BN, 1]
+    c = tl.load(rows + dn[None, :], mask=valid[:, None] & dn_ok[None, :], other=0.0)          # [BN, BR]
+    k_pe = tl.load(rows + R + dp[None, :], mask=valid[:, None] & dp_ok[None, :], other=0.0)   # [BN, BDR]
+    if INTERP:
+        c = c.to(tl.float32)
+        k_pe = k_pe.to(tl.float32)
+    s = tl.dot(q_nope, tl.trans(c))
+    s = tl.dot(q_pe, tl.trans(k_pe), s)                                       # [BH, BN]
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))                 # base-2 logits
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])                                           # [BH, BN]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)                     # [BH, BR]
+    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])   # a runtime value: eager decode groups vary it (cuda/__init__)

@@ -98,7 +98,6 @@ from glm_ray.kernels.torch_ref.topk import SelectionBits
 
 logger = logging.getLogger(__name__)
 PREFILL_BITS = True      # `prefill_selection_bits`' switch (bench.prefill --prefill-selection's A/B)
-DECODE_RUNS = True       # decode groups with runs (absorbed chunk tails) through `mla_rows` (its bench's A/B)
 
 
 def _mask_reason(selection, *, bitmap_ok: bool = False) -> str | None:
@@ -520,14 +519,8 @@ class CudaKernels:
             self._fallback("mla_decode", reason)
             return slow()
         from glm_ray.kernels.cuda.mla_decode import mla_decode_paged  # noqa: PLC0415 (imports triton)
-        from glm_ray.kernels.cuda.mla_rows import mla_decode_runs, rows_per_tile  # noqa: PLC0415
         def fast():
             idx = None if selection is None else selection[:, 0]            # [B, k] positions
-            if DECODE_RUNS and group.run_first is not None and rows_per_tile(q.shape[1], q.shape[2]) > 1:
-                # a chunk's tail rows: one program per ROWS rows of a run, each key tile read once for them
-                return mla_decode_runs(group.rows_of(q), kv_cache, group.block_table, group.context_lens,
-                                       group.block_size, group.run_first, group.run_lens, group.max_context_len,
-                                       kv_lora_rank=kv_lora_rank, scale=scale, indices=idx)   # [B, h, r]
             return mla_decode_paged(group.rows_of(q), kv_cache, group.block_table, group.context_lens, group.block_size,
                                     kv_lora_rank=kv_lora_rank, scale=scale, indices=idx)   # [B, h, r]
         return self._guarded("mla_decode", fast, slow)

@@ -180,7 +180,7 @@ def _compact_kernel(s_ptr, len_ptr, hist_ptr, cnt_ptr, gt_ptr, o_ptr, N, K, S, s
 
 
 # --------------------------------------------------------------------------------------------
-# prefill: one row per program, its row walked in chunks, the picks written as a bitmap
+# prefill: one row per program, the row held in registers, the picks written as a bitmap
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -188,34 +188,20 @@ def _or(a, b):
     return a | b
 
 
-@triton.jit
-def _take_digit(h, kk, prefix, shift):
-    """From a 256-bin histogram of the candidates' digit at `shift`: the kk-th largest's digit joins `prefix`,
-    kk becomes its rank among the candidates sharing that digit. Returns (prefix, kk, candidates left)."""
-    bins = tl.arange(0, 256)
-    ge = tl.sum(h, 0) - tl.cumsum(h, 0) + h                                   # keys with digit >= d
-    d = tl.max(tl.where(ge >= kk, bins, -1), 0)                               # the k-th's digit
-    kk -= tl.sum(tl.where(bins > d, h, 0), 0)
-    return prefix | (d.to(tl.uint32) << shift), kk, tl.sum(tl.where(bins == d, h, 0), 0)
-
-
-@triton.jit(do_not_specialize=['N', 'WORDS', 'CAP'])   # sizes that change per step: no recompiles (cuda/__init__)
-def _topk_bits_kernel(s_ptr, len_ptr, o_ptr, c_ptr, N, K, WORDS, CAP, stride_s, stride_o, stride_c,
-                      CHUNK: tl.constexpr, COMPACT: tl.constexpr):
+@triton.jit(do_not_specialize=['N', 'WORDS'])   # sizes that change per step: no recompiles (cuda/__init__)
+def _topk_bits_kernel(s_ptr, len_ptr, o_ptr, N, K, WORDS, stride_s, stride_o, CHUNK: tl.constexpr):
     """Program b: row b's exact radix select, all in one program — the 4 histograms of `_radix_pass_kernel`
-    (8-bit digits) as loops over the row's CHUNK-score chunks (re-read from L1/L2: a row is n * 4 bytes, 32 KiB
-    at 8k), with no launch, atomic or global histogram between passes — then one more walk that packs the picks
-    (> the k-th key, and its ties from the lowest position up) 32 to an int32 word: o[b, w] bit j = position
-    32 w + j picked, words < WORDS. Rows with <= k finite valid scores take them all.
-    COMPACT: PASS 1 also writes the keys sharing the k-th's top digit (its candidates: 8-40% of a row of
-    indexer scores) to c[b, :CAP] and PASSES 2-3 walk only those; a row with more than CAP candidates walks
-    the whole row in every pass instead (PASS 2 on, histograms only over chunks holding a candidate)."""
+    (8-bit digits, from PASS 2 on only over chunks holding a candidate) as loops over the row's CHUNK-score
+    chunks (re-read from L1/L2: a row is n * 4 bytes, 32 KiB at 8k), with no launch, atomic or global
+    histogram between passes — then one more walk that packs the picks (> the k-th key, and its ties from the
+    lowest position up) 32 to an int32 word: o[b, w] bit j = position 32 w + j picked, words < WORDS. Rows
+    with <= k finite valid scores take them all."""
     b = tl.program_id(0)
     n = tl.minimum(tl.load(len_ptr + b), N)
     row = s_ptr + b.to(tl.int64) * stride_s
     orow = o_ptr + b.to(tl.int64) * stride_o
-    crow = c_ptr + b.to(tl.int64) * stride_c
     offs0 = tl.arange(0, CHUNK)
+    bins = tl.arange(0, 256)
     nch = tl.cdiv(n, CHUNK)
     # pass 0: the top digit's histogram and the count of finite valid keys
     h = tl.zeros((256,), tl.int32)
@@ -230,32 +216,9 @@ def _topk_bits_kernel(s_ptr, len_ptr, o_ptr, c_ptr, N, K, WORDS, CAP, stride_s, 
     prefix = (n * 0).to(tl.uint32)
     kk = K + n * 0                                                           # rank of the k-th among the matches
     if select:
-        prefix, kk, ncand = _take_digit(h, kk, prefix, 24)
-        if COMPACT and ncand <= CAP:
-            # pass 1 over the row, storing its candidates' keys (in position order) as it goes
-            h = tl.zeros((256,), tl.int32)
-            base = n * 0
-            for c in tl.range(0, nch):
-                offs = c * CHUNK + offs0
-                u = _ukey(tl.load(row + offs, mask=offs < n, other=float("-inf")))
-                cand = (offs < n) & (u > NEG_INF_UKEY) & ((u >> 24) == (prefix >> 24))
-                h += tl.histogram(((u >> 16) & 0xFF).to(tl.int32), 256, mask=cand)
-                ci = cand.to(tl.int32)
-                tl.store(crow + base + tl.cumsum(ci, 0) - 1, u.to(tl.int32, bitcast=True), mask=cand)
-                base += tl.sum(ci, 0)
-            prefix, kk, _ = _take_digit(h, kk, prefix, 16)
-            for p in tl.static_range(2, 4):                                    # passes 2, 3: the candidates only
-                shift = 24 - 8 * p
-                h = tl.zeros((256,), tl.int32)
-                for c in tl.range(0, tl.cdiv(ncand, CHUNK)):
-                    offs = c * CHUNK + offs0
-                    u = tl.load(crow + offs, mask=offs < ncand, other=0).to(tl.uint32, bitcast=True)
-                    cand = (offs < ncand) & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-                    h += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=cand)
-                prefix, kk, _ = _take_digit(h, kk, prefix, shift)
-        else:
-            for p in tl.static_range(1, 4):
-                shift = 24 - 8 * p                                            # this pass's digit
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p                                                # this pass's digit
+            if p > 0:
                 h = tl.zeros((256,), tl.int32)
                 for c in tl.range(0, nch):
                     offs = c * CHUNK + offs0
@@ -265,7 +228,10 @@ def _topk_bits_kernel(s_ptr, len_ptr, o_ptr, c_ptr, N, K, WORDS, CAP, stride_s, 
                         h += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=cand)
                     elif tl.max(cand.to(tl.int32), 0) > 0:                     # few candidates from PASS 2 on
                         h += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=cand)
-                prefix, kk, _ = _take_digit(h, kk, prefix, shift)
+            ge = tl.sum(h, 0) - tl.cumsum(h, 0) + h                           # keys with digit >= d
+            d = tl.max(tl.where(ge >= kk, bins, -1), 0)                       # the k-th's digit
+            kk -= tl.sum(tl.where(bins > d, h, 0), 0)
+            prefix = prefix | (d.to(tl.uint32) << shift)
     # the picks, a chunk of CHUNK / 32 words at a time (chunks past n store zero words up to WORDS)
     eq_seen = n * 0
     wi = tl.arange(0, CHUNK // 32)
@@ -283,13 +249,10 @@ def _topk_bits_kernel(s_ptr, len_ptr, o_ptr, c_ptr, N, K, WORDS, CAP, stride_s, 
 
 
 # scores per loop step of `_topk_bits_kernel` and its warps: `bench.indexer --prefill 1x8192 4x8192 --bits-chunk C
-# --bits-warps W` on an H100 (session 37, before BITS_CAND), bits / index-path time: 512 / 4 0.80 / 0.78, 1024 / 4
-# 0.87 / 0.83, 1024 / 8 0.88 / 0.83, 2048 / 8 0.92 / 0.87 (the bench checks the bitmap against the index path's first)
+# --bits-warps W` on an H100 (session 37), bits / index-path time: 512 / 4 0.80 / 0.78, 1024 / 4 0.87 / 0.83,
+# 1024 / 8 0.88 / 0.83, 2048 / 8 0.92 / 0.87 (the bench checks the bitmap against the index path's first)
 BITS_CHUNK = 512
 BITS_WARPS = 4
-# the scratch for PASS 1's candidates, as a fraction of the row (0: no compaction, every pass walks the row). Rows
-# of indexer scores (random bf16 inputs, 2k-8k keys, k = 2048) left 8-39% of their keys after the top digit.
-BITS_CAND = 0.5
 
 
 BITS_MAX_KEYS = 16384     # the widest rows the indexer hands `topk_bits` (one program walks a whole row)
@@ -300,8 +263,7 @@ def topk_bits(scores: torch.Tensor, lengths: torch.Tensor, k: int, words: int | 
     """The picks of `topk_positions` as a bitmap, for the sparse MLA prefill (its selection form): scores
     [B, n] fp32 (rows may be strided), lengths [B] int32, k >= 1 -> [B, words] int32 (default ceil(n / 32);
     bit t % 32 of word t // 32 set iff position t is picked; words past n are 0).
-    `out`: a [B, words] int32 view to write into (rows may be strided). One launch, no host sync; scratch
-    [B, BITS_CAND * n] int32 for the candidates after the top digit."""
+    `out`: a [B, words] int32 view to write into (rows may be strided). One launch, no host sync."""
     B, n = scores.shape
     assert scores.dtype == torch.float32, f"scores must be fp32, got {scores.dtype}"
     assert n >= 1 and k >= 1, (n, k)
@@ -314,11 +276,8 @@ def topk_bits(scores: torch.Tensor, lengths: torch.Tensor, k: int, words: int | 
     assert out.shape == (B, words) and out.dtype == torch.int32 and out.stride(-1) == 1
     if B == 0:
         return out
-    cap = int(n * BITS_CAND)
-    cand = torch.empty(B, max(cap, 1), dtype=torch.int32, device=scores.device)   # [B, cap] candidates' keys
-    _topk_bits_kernel[(B,)](scores, lengths.to(torch.int32).contiguous(), out, cand, n, k, words, cap,
-                            scores.stride(0), out.stride(0), cand.stride(0), CHUNK=BITS_CHUNK, COMPACT=cap > 0,
-                            num_warps=BITS_WARPS)
+    _topk_bits_kernel[(B,)](scores, lengths.to(torch.int32).contiguous(), out, n, k, words,
+                            scores.stride(0), out.stride(0), CHUNK=BITS_CHUNK, num_warps=BITS_WARPS)
     return out
 
 
