@@ -27,14 +27,14 @@ for mode in ${MODES:-on off}; do
   $GLMRAY bench --base-url http://127.0.0.1:$DI --dataset-name generated-shared-prefix $GSP --gsp-num-groups 2 \
     --seed 7 --max-concurrency $C --no-progress > $OUT/warmup_$mode.txt 2>&1
   for c in ${CS:-$C}; do
-  pi=0
-  for port in ${PORTS:-$DI $PORT}; do         # fresh prefixes per run; the same prompts per (C, port) in each mode
-    pi=$((pi + 1)); seed=$((200 + 100 * c + pi))
-    if [ $(( $(date +%s) - T0 )) -gt $(( LIM - RUN_S )) ]; then echo "cache $mode, port $port, C=$c: skipped (time)"; continue; fi
-    $GLMRAY bench --base-url http://127.0.0.1:$port --dataset-name generated-shared-prefix $GSP --seed $seed \
-      --max-concurrency $c --tag "prefix_cache=$mode,port=$port,C=$c" --output-file $OUT/gsp_${mode}_${port}_c$c.jsonl \
-      --no-progress --no-plot > $OUT/bench_${mode}_${port}_c$c.txt 2>&1
-  done
+    pi=0
+    for port in ${PORTS:-$DI $PORT}; do         # fresh prefixes per run; the same prompts per (C, port) in each mode
+      pi=$((pi + 1)); seed=$((200 + 100 * c + pi))
+      if [ $(( $(date +%s) - T0 )) -gt $(( LIM - RUN_S )) ]; then echo "cache $mode, port $port, C=$c: skipped (time)"; continue; fi
+      $GLMRAY bench --base-url http://127.0.0.1:$port --dataset-name generated-shared-prefix $GSP --seed $seed \
+        --max-concurrency $c --tag "prefix_cache=$mode,port=$port,C=$c" --output-file $OUT/gsp_${mode}_${port}_c$c.jsonl \
+        --no-progress --no-plot > $OUT/bench_${mode}_${port}_c$c.txt 2>&1
+    done
   done
   grep -o "ingress: TTFT split.*" $OUT/serve_$mode.log | cut -c1-300 > $OUT/ttft_split_$mode.txt
   grep -o "engine: prompt.*" $OUT/serve_$mode.log | grep -v "generation 0.0 tok/s" | cut -c1-560 > $OUT/stats_lines_$mode.txt
