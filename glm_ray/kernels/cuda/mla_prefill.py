@@ -456,10 +456,9 @@ def mla_prefill_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup,
     plan = group.plan(("mla_prefill", cfg[0], cfg[1], chunk), lambda: prefill_plan(
         group.block_table, group.context_lens, group.query_lens, group.token_index, group.block_size,
         group.max_context_len, block_m=cfg[0], block_n=cfg[1], chunk=chunk))
+    bits = selection.bits if isinstance(selection, SelectionBits) else None
     return mla_prefill_varlen(q, kv_cache, kv_b, plan, kv_lora_rank=r, v_head_dim=dv, scale=scale,
-                              indices=None if isinstance(selection, SelectionBits) else selection,
-                              bits=selection.bits if isinstance(selection, SelectionBits) else None,
-                              config=cfg, tiles=tiles)
+                              indices=selection if bits is None else None, bits=bits, config=cfg, tiles=tiles)
 
 
 __all__ = ["KeyChunk", "PrefillPlan", "SparseTiles", "chunk_keys", "mla_prefill_group", "mla_prefill_varlen", "prefill_plan",
