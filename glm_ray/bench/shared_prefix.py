@@ -12,7 +12,9 @@ P-token system prompt, Q questions each, shuffled), greedy, `ignore_eos`, run cl
 `--concurrency` C: a client adds its next prompt the moment its previous one finished (after the step
 that finished it), as `--max-concurrency` does. One engine runs every mode (`--modes on off`,
 alternating over `--repeats` rounds), the unheld cached blocks forgotten before each run, after a
-discarded warm-up of two other groups — the same process, weights, graphs and allocator for both.
+discarded warm-up of two other groups — the same process, weights, graphs and allocator for both. Mode
+`on-copies` is the cache on without in-flight prefix sharing (engine/scheduler.py): requests admitted while
+another one computes their new prefix compute a copy of it, as before that existed (the A/B of that policy).
 
 Per run: the engine's TTFT (arrival -> first token; queued = arrival -> first scheduled; the median apart for
 the requests that found a cached prefix and those that did not), the number of
@@ -119,7 +121,7 @@ def run(model: str | None, *, modes=("on", "off"), repeats: int = 1, concurrency
     if warmup_groups:                                          # other prefixes: first-use costs, discarded
         warm = shared_prefix_rows(np.random.default_rng(seed + 7), num_groups=warmup_groups, **shape)
         for m in dict.fromkeys(modes):
-            eng.set_prefix_caching(m == "on")
+            eng.set_prefix_caching(m != "off")
             run_workload(eng, warm, max(concurrency))
     order = [m for r in range(repeats) for m in (modes if r % 2 == 0 else modes[::-1])]
     results, outs = [], {}
@@ -127,18 +129,19 @@ def run(model: str | None, *, modes=("on", "off"), repeats: int = 1, concurrency
         for rep, (mode, ab) in enumerate((m, ab) for m in order for ab in absorb):
             if runner is not None:
                 runner.absorb_tokens = default_absorb if ab is None else ab
-            in_effect = eng.set_prefix_caching(mode == "on")   # also forgets the unheld cached blocks
+            in_effect = eng.set_prefix_caching(mode != "off")  # also forgets the unheld cached blocks
+            eng.scheduler.share_inflight_prefixes = mode != "on-copies"
             summary, out = run_workload(eng, rows, c)
-            results.append({"concurrency": c, "mode": mode if in_effect or mode == "off" else "on(n/a)",
+            results.append({"concurrency": c, "mode": mode if in_effect or mode == "off" else f"{mode}(n/a)",
                             "rep": rep, **({"absorb": runner.absorb_tokens} if runner is not None else {}),
                             **summary})
             print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in results[-1].items()),
                   flush=True)                                  # as it comes: a long run cut short keeps its rows
             outs.setdefault(mode, out)
     same = {}
-    if len(outs) == 2:
-        a, b = outs.values()
-        same = {"rows": len(a), "identical": sum(a[i] == b[i] for i in a)}
+    if "off" in outs and len(outs) > 1:
+        b = outs["off"]
+        same = {m: {"rows": len(a), "identical": sum(a[i] == b[i] for i in a)} for m, a in outs.items() if m != "off"}
     return results, same
 
 
@@ -174,7 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--gsp-output-len", type=int, default=16)
     p.add_argument("--concurrency", type=int, nargs="+", default=[4],
                    help="closed-loop clients; several values run one after another on the same engine")
-    p.add_argument("--modes", nargs="+", choices=["on", "off"], default=["on", "off"])
+    p.add_argument("--modes", nargs="+", choices=["on", "off", "on-copies"], default=["on", "off"],
+                   help="on-copies: the cache on, in-flight prefix sharing off (each concurrent copy computes it)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of --modes (order alternates)")
     p.add_argument("--warmup-groups", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -208,8 +212,8 @@ def main(argv=None) -> int:
             if {"on", "off"} <= {r["mode"] for r in at_c}:
                 tag = f" absorb={ab}" if a.absorb else ""
                 print(f"C={c}{tag}: " + "  ".join(f"{k} {v:.2f}" for k, v in ratios(at_c).items()))
-    if same:
-        print(f"greedy outputs identical with the cache on and off: {same['identical']} / {same['rows']} prompts")
+    for m, v in same.items():
+        print(f"greedy outputs identical, {m} vs off: {v['identical']} / {v['rows']} prompts")
     append_rows(a.json, rows)
     return 0
 

@@ -7,6 +7,11 @@ Policy (one step, under `max_num_batched_tokens`):
   2. then waiting requests, FCFS, while the budget, `max_num_seqs` and free blocks allow — a request
      starts after the longest prefix of its tokens the prefix cache holds (engine/kv_cache.py), and a
      long rest is split into chunks (chunked prefill), so prefill and decode share a step.
+     In-flight prefix sharing (sglang's in-batch prefix caching): a waiting request whose next uncached
+     block a running request is computing right now — the same block under the same cached prefix —
+     waits for that block to reach the cache instead of computing a copy, and requests behind it go
+     first. A burst of prompts sharing a new system prompt then computes the prefix once, not once per
+     prompt. The wait lasts until the running request's chunk lands (a step or two) or it leaves.
 No request is ever dropped: preempted requests go back to the head of the queue.
 Every running request also holds one of `max_num_seqs` state slots (its row in the fixed-size
 recurrent-state caches of hybrid models such as GLM-5.3-Flash's KDA layers), taken on admission and
@@ -31,6 +36,8 @@ from glm_ray.engine.contract import NewRequestData, ScheduledSeq, SchedulerOutpu
 from glm_ray.engine.kv_cache import KVCacheManager
 from glm_ray.engine.request import Request, RequestStatus
 
+_MAX_DEFERRED = 64      # waiting requests passed over in one step for in-flight prefixes (bounds the scan)
+
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager):
@@ -42,6 +49,7 @@ class Scheduler:
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))   # state slots; pop() -> lowest
         self.async_mode = False                 # set by the engine (async scheduling)
         self.max_model_len: int | None = None   # set by the engine: a length-finished request is not rescheduled
+        self.share_inflight_prefixes = True     # False: concurrent copies of a new prefix each compute it (A/B)
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -97,17 +105,24 @@ class Scheduler:
                 continue
             break   # `req` itself was preempted; everything after it is gone too
 
-        while (self.waiting and budget > 0 and not preempted_now
+        idx = deferred = 0
+        while (idx < len(self.waiting) and budget > 0 and not preempted_now
                and len(self.running) < self.cfg.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting[idx]
             if req.num_inflight:
                 break                           # preempted with a token in flight: back once it is known
             hit = self.kv.match(req)            # its longest cached prefix (whole blocks), [] if none
+            if self._prefix_in_flight(req, hit):
+                deferred += 1                   # a running request is computing its next block: wait for it
+                if deferred >= _MAX_DEFERRED:
+                    break
+                idx += 1
+                continue
             cached = len(hit) * self.kv.block_size
             n = min(req.num_tokens - cached, budget)
             if not self.kv.can_admit(hit, cached + n):
                 break
-            self.waiting.popleft()
+            del self.waiting[idx]
             self.kv.admit(req, hit)             # holds the hit blocks; num_computed_tokens = cached
             req.status = RequestStatus.RUNNING
             req.state_slot = self._free_slots.pop()     # running < max_num_seqs: never empty
@@ -142,6 +157,20 @@ class Scheduler:
         if self.async_mode:                     # progress advances now; the token is read back later
             req.num_computed_tokens = end
             req.num_inflight += int(sample)
+
+    def _prefix_in_flight(self, req: Request, hit: list[int]) -> bool:
+        """Whether a running request is computing the block that follows `req`'s cached prefix `hit`: the
+        same prompt tokens after the same cached blocks, not registered yet, in a chain that will register
+        it (kv_cache.py: a copy's chain stops). Only a fresh request that could take that block from the
+        cache (a whole block before its last token, no prompt logprobs) waits; a preempted one never."""
+        bs, m = self.kv.block_size, len(hit)
+        if (not (self.kv.enable_prefix_caching and self.share_inflight_prefixes) or req.num_preemptions or req.params.prompt_logprobs is not None
+                or (m + 1) * bs > req.num_prompt_tokens - 1):
+            return False
+        block = req.prompt_token_ids[m * bs:(m + 1) * bs]
+        return any(0 <= lead.num_registered_blocks <= m and (m + 1) * bs <= lead.num_prompt_tokens
+                   and lead.block_ids[:m] == hit and lead.prompt_token_ids[m * bs:(m + 1) * bs] == block
+                   for lead in self.running)
 
     def _ends_by_length(self, req: Request) -> bool:
         n = len(req.output_token_ids) + req.num_inflight

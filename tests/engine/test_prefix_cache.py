@@ -169,6 +169,86 @@ def test_scheduler_computes_only_the_uncached_tail():
     assert b.num_cached_tokens == 24 and (kv.prefix_queries, kv.prefix_hits) == (30 + 29, 24)
 
 
+def _step(kv, sched, out):
+    """What the engine does with a step's results (sync scheduling): progress, one sampled token, and the
+    filled blocks registered."""
+    for s in out.seqs:
+        r = next(x for x in sched.running if x.request_id == s.req_id)
+        r.num_computed_tokens = s.start_pos + len(s.token_ids)
+        if s.sample:
+            r.output_token_ids.append(7)
+        kv.register(r, r.num_computed_tokens)
+
+
+def _scheduled(out):
+    return [(s.req_id, s.start_pos, len(s.token_ids)) for s in out.seqs]
+
+
+def test_a_prefix_being_computed_is_waited_for_not_computed_twice():
+    """sglang's in-batch prefix caching: b shares a's 3 uncached blocks, so b waits while a computes them
+    and c (another prefix, behind b) goes first; once a's chunk is in the cache b computes its tail only."""
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv)
+    head = list(range(1, 13))                             # 12 tokens = 3 blocks
+    a, b, c = _req("a", head + [50, 51]), _req("b", head + [60, 61, 62]), _req("c", range(100, 114))
+    for r in (a, b, c):
+        sched.add(r)
+    out = sched.schedule()
+    assert _scheduled(out) == [("a", 0, 14), ("c", 0, 14)] and [r.request_id for r in sched.waiting] == ["b"]
+    _step(kv, sched, out)
+    out = sched.schedule()
+    assert _scheduled(out) == [("a", 14, 1), ("c", 14, 1), ("b", 12, 3)]
+    assert out.seqs[2].block_ids[:3] == a.block_ids[:3] and b.num_cached_tokens == 12
+
+
+def test_the_wait_ends_when_the_computing_request_leaves():
+    """Finished (or aborted) before its blocks reached the cache: the waiting request computes them itself.
+    Preempted requests, prompts shorter than a block past the cached prefix and the cache off never wait."""
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv)
+    a, b = _req("a", range(1, 15)), _req("b", list(range(1, 13)) + [9, 9])
+    sched.add(a)
+    sched.add(b)
+    assert _scheduled(sched.schedule()) == [("a", 0, 14)]
+    sched.finish(a, "abort")
+    assert _scheduled(sched.schedule()) == [("b", 0, 14)]
+    short = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                      KVCacheManager(64, 4, enable_prefix_caching=True))
+    for r in (_req("x", range(1, 5)), _req("y", range(1, 5))):      # 4 tokens: no whole block before the last
+        short.add(r)
+    assert len(short.schedule().seqs) == 2
+    off = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), KVCacheManager(64, 4))
+    for r in (_req("a", range(1, 15)), _req("b", range(1, 15))):
+        off.add(r)
+    assert len(off.schedule().seqs) == 2
+    pre = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                    KVCacheManager(64, 4, enable_prefix_caching=True))
+    a, b = _req("a", range(1, 15)), _req("b", range(1, 15))
+    b.num_preemptions = 1
+    pre.add(a)
+    pre.add(b)
+    assert len(pre.schedule().seqs) == 2
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_burst_sharing_a_new_prefix_computes_it_once(tiny_dir, async_scheduling):
+    """Six prompts with one new 53-token system prompt sent together: the prefix's whole blocks are computed
+    once (the rest wait for them), every output equals the cache-off run's."""
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * 4 + [
+        SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True)] * 2
+    prompts = [SYSTEM + _ids(n, 70 + n) for n in (4, 17, 9, 30, 12, 21)]
+    outs, prefill = [], []
+    for cache in (False, True):
+        llm = LLM(tiny_dir, dtype="float32", enable_prefix_caching=cache, kv_cache_memory_bytes=32 << 20,
+                  async_scheduling=async_scheduling)
+        outs.append(_generate(llm, prompts, params))
+        prefill.append(sum(s.num_prefill_tokens for s in llm.engine.step_history))
+    _assert_same(outs[1], outs[0])
+    shared = len(SYSTEM) // 16 * 16                       # whole 16-token blocks of the system prompt
+    assert prefill[0] == sum(len(p) for p in prompts)
+    assert prefill[1] == shared + sum(len(p) - shared for p in prompts)
+
+
 # ---- the engine: cache on == cache off -------------------------------------------------------------
 def _ids(n, seed):
     return torch.randint(10, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
