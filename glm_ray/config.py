@@ -324,12 +324,20 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64                     # running requests per step
     max_num_batched_tokens: int = 2048         # token budget per step (chunked prefill splits above it)
     max_model_len: int | None = None           # None -> min(max_position_embeddings, KV capacity)
     max_waiting: int = 4096                    # beyond this the engine answers "overloaded"
+    policy: str = "fcfs"                       # waiting-queue order: fcfs | lpm (longest cached prefix first)
+
+    def __post_init__(self):
+        if self.policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule policy must be one of {SCHEDULE_POLICIES}, got {self.policy!r}")
 
 
 @dataclass(frozen=True)
@@ -389,7 +397,7 @@ def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str 
                        fp8_proj_gemm: bool | None = None, fp8_proj_min_tokens: int = 512,
                        enforce_eager: bool = False, async_scheduling: bool | None = None,
                        enable_prefix_caching: bool = True, gpus_per_rank: float = 1.0,
-                       piecewise_graph_max_tokens: int | None = None) -> EngineConfig:
+                       piecewise_graph_max_tokens: int | None = None, schedule_policy: str = "fcfs") -> EngineConfig:
     if fp8_proj_gemm is None:       # the flag's third spelling: GLM_RAY_FP8_PROJ_GEMM=1
         fp8_proj_gemm = envs.FP8_PROJ_GEMM.get()
     return EngineConfig(
@@ -399,5 +407,5 @@ def make_engine_config(model: str, *, tensor_parallel_size: int = 1, dtype: str 
         piecewise_graph_max_tokens=piecewise_graph_max_tokens, cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
                           gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_model_len, max_waiting=max_waiting),
+                                  max_model_len=max_model_len, max_waiting=max_waiting, policy=schedule_policy),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, gpus_per_rank=gpus_per_rank))

@@ -14,7 +14,9 @@ that finished it), as `--max-concurrency` does. One engine runs every mode (`--m
 alternating over `--repeats` rounds), the unheld cached blocks forgotten before each run, after a
 discarded warm-up of two other groups — the same process, weights, graphs and allocator for both. Mode
 `on-copies` is the cache on without in-flight prefix sharing (engine/scheduler.py): requests admitted while
-another one computes their new prefix compute a copy of it, as before that existed (the A/B of that policy).
+another one computes their new prefix compute a copy of it, as before that existed (the A/B of that policy);
+`on-lpm` the cache on with the scheduler's `lpm` policy (cache hits first; the others run the engine's
+`--schedule-policy`, fcfs by default).
 
 Per run: the engine's TTFT (arrival -> first token; queued = arrival -> first scheduled; the median apart for
 the requests that found a cached prefix and those that did not), the number of
@@ -131,6 +133,7 @@ def run(model: str | None, *, modes=("on", "off"), repeats: int = 1, concurrency
                 runner.absorb_tokens = default_absorb if ab is None else ab
             in_effect = eng.set_prefix_caching(mode != "off")  # also forgets the unheld cached blocks
             eng.scheduler.share_inflight_prefixes = mode != "on-copies"
+            eng.scheduler.policy = "lpm" if mode == "on-lpm" else eng.cfg.scheduler.policy
             summary, out = run_workload(eng, rows, c)
             results.append({"concurrency": c, "mode": mode if in_effect or mode == "off" else f"{mode}(n/a)",
                             "rep": rep, **({"absorb": runner.absorb_tokens} if runner is not None else {}),
@@ -168,6 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--schedule-policy", choices=["fcfs", "lpm"], default="fcfs")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--gsp-num-groups", type=int, default=8)
@@ -177,8 +181,9 @@ def main(argv=None) -> int:
     p.add_argument("--gsp-output-len", type=int, default=16)
     p.add_argument("--concurrency", type=int, nargs="+", default=[4],
                    help="closed-loop clients; several values run one after another on the same engine")
-    p.add_argument("--modes", nargs="+", choices=["on", "off", "on-copies"], default=["on", "off"],
-                   help="on-copies: the cache on, in-flight prefix sharing off (each concurrent copy computes it)")
+    p.add_argument("--modes", nargs="+", choices=["on", "off", "on-copies", "on-lpm"], default=["on", "off"],
+                   help="on-copies: the cache on, in-flight prefix sharing off (each concurrent copy computes it); "
+                        "on-lpm: the cache on, the lpm schedule policy")
     p.add_argument("--repeats", type=int, default=1, help="rounds of --modes (order alternates)")
     p.add_argument("--warmup-groups", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -201,7 +206,7 @@ def main(argv=None) -> int:
                          absorb=tuple(a.absorb) if a.absorb else (None,),
                          device=a.device, dtype=a.dtype, load_format=load_format, max_num_seqs=a.max_num_seqs,
                          max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens,
-                         kv_cache_memory_bytes=kv, enforce_eager=a.enforce_eager)
+                         kv_cache_memory_bytes=kv, enforce_eager=a.enforce_eager, schedule_policy=a.schedule_policy)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

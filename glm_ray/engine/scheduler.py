@@ -12,6 +12,10 @@ Policy (one step, under `max_num_batched_tokens`):
      waits for that block to reach the cache instead of computing a copy, and requests behind it go
      first. A burst of prompts sharing a new system prompt then computes the prefix once, not once per
      prompt. The wait lasts until the running request's chunk lands (a step or two) or it leaves.
+     With `policy="lpm"` (sglang's longest prefix match) fresh waiting requests are taken longest cached
+     prefix first (FCFS among equals) while the queue holds at most `_LPM_MAX_QUEUE` of them: a cache
+     hit needs only its tail and goes before uncached prompts, which still chunk into the rest of each
+     step's budget, so they progress every step a budget is left.
 No request is ever dropped: preempted requests go back to the head of the queue.
 Every running request also holds one of `max_num_seqs` state slots (its row in the fixed-size
 recurrent-state caches of hybrid models such as GLM-5.3-Flash's KDA layers), taken on admission and
@@ -37,6 +41,7 @@ from glm_ray.engine.kv_cache import KVCacheManager
 from glm_ray.engine.request import Request, RequestStatus
 
 _MAX_DEFERRED = 64      # waiting requests passed over in one step for in-flight prefixes (bounds the scan)
+_LPM_MAX_QUEUE = 128    # lpm orders queues up to this long, FCFS beyond (sglang's fallback: a match per request)
 
 
 class Scheduler:
@@ -50,6 +55,7 @@ class Scheduler:
         self.async_mode = False                 # set by the engine (async scheduling)
         self.max_model_len: int | None = None   # set by the engine: a length-finished request is not rescheduled
         self.share_inflight_prefixes = True     # False: concurrent copies of a new prefix each compute it (A/B)
+        self.policy = cfg.policy                # "fcfs" | "lpm" (a bench may switch it between runs)
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -105,6 +111,8 @@ class Scheduler:
                 continue
             break   # `req` itself was preempted; everything after it is gone too
 
+        if self.policy == "lpm" and self.kv.enable_prefix_caching and 1 < len(self.waiting) <= _LPM_MAX_QUEUE:
+            self._order_by_cached_prefix()
         idx = deferred = 0
         while (idx < len(self.waiting) and budget > 0 and not preempted_now
                and len(self.running) < self.cfg.max_num_seqs):
@@ -157,6 +165,13 @@ class Scheduler:
         if self.async_mode:                     # progress advances now; the token is read back later
             req.num_computed_tokens = end
             req.num_inflight += int(sample)
+
+    def _order_by_cached_prefix(self) -> None:
+        """lpm: the fresh waiting requests by their longest cached prefix, longest first (a stable sort: FCFS
+        among equals); preempted requests keep the head of the queue, in their order."""
+        preempted = [r for r in self.waiting if r.num_preemptions]
+        fresh = sorted((r for r in self.waiting if not r.num_preemptions), key=lambda r: -len(self.kv.match(r)))
+        self.waiting = deque(preempted + fresh)
 
     def _prefix_in_flight(self, req: Request, hit: list[int]) -> bool:
         """Whether a running request is computing the block that follows `req`'s cached prefix `hit`: the

@@ -129,6 +129,11 @@ class ServeArgs:
               "--no-engine-in-worker (or the older --engine-in-router) runs it in the Router, with a Ray "
               "call per step to the ranks", scope=APP, false_aliases=("--engine-in-router",))
     max_num_seqs: int = setting(64, "most requests running (batched) at once; more wait in the queue")
+    schedule_policy: str = setting(
+        "fcfs", "order of the waiting queue: fcfs = arrival order; lpm = the longest cached prefix first "
+                "(sglang's; with prefix caching on: cache hits need only their tails computed and go before "
+                "uncached prompts, which still take what is left of each step's budget)",
+        choices=("fcfs", "lpm"))
     max_num_batched_tokens: int = setting(2048, "token budget of one engine step (prefill chunks + decodes)",
                                           human_int=True)
     max_model_len: int | None = setting(None, "context length (prompt + output) limit", human_int=True,
@@ -272,7 +277,8 @@ class ServeArgs:
                     fp8_proj_gemm=self.fp8_proj_gemm, fp8_proj_min_tokens=self.fp8_proj_min_tokens,
                     enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
                     enable_prefix_caching=self.enable_prefix_caching, gpus_per_rank=self.gpus_per_rank,
-                    piecewise_graph_max_tokens=self.piecewise_cuda_graph_max_tokens)
+                    piecewise_graph_max_tokens=self.piecewise_cuda_graph_max_tokens,
+                    schedule_policy=self.schedule_policy)
 
     def to_dict(self) -> dict:
         """Every field, the API key included: what the Router and the ingress are built from. Do not log

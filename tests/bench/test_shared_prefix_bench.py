@@ -38,10 +38,10 @@ def test_outputs_are_compared_per_prompt_and_copies_of_a_new_prefix_are_the_ab()
     """All six prompts at once (C=6): with in-flight prefix sharing each group's prefix is computed once and
     its other two prompts take it from the cache; `on-copies` computes it per prompt (nothing cached yet
     when all six are admitted), as before that policy. Outputs of both == the cache off's."""
-    rows, same = shared_prefix.run(None, modes=("on", "on-copies", "off"), concurrency=(6,), num_groups=2,
+    rows, same = shared_prefix.run(None, modes=("on", "on-copies", "on-lpm", "off"), concurrency=(6,), num_groups=2,
                                    prompts_per_group=3, system_prompt_len=32, question_len=5, output_len=3,
                                    warmup_groups=0, dtype="float32", device="cpu")
-    assert same == {"on": {"rows": 6, "identical": 6}, "on-copies": {"rows": 6, "identical": 6}}
+    assert same == {m: {"rows": 6, "identical": 6} for m in ("on", "on-copies", "on-lpm")}
     by = {r["mode"]: r for r in rows}
     assert by["on"]["hit_rate"] == pytest.approx(4 * 32 / (6 * 37)) and by["on"]["hit_requests"] == 4
     assert by["on-copies"]["hit_rate"] == 0.0 == by["off"]["hit_rate"]

@@ -230,6 +230,31 @@ def test_the_wait_ends_when_the_computing_request_leaves():
     assert len(pre.schedule().seqs) == 2
 
 
+def test_lpm_takes_cache_hits_first_and_the_rest_chunks_into_what_is_left():
+    """sglang's lpm: c (its 3 blocks cached) and d (2 blocks) go before b (nothing cached) that came first;
+    b still takes the budget they leave. A preempted request keeps the head; fcfs keeps arrival order."""
+    def run(policy, preempt_b=False):
+        kv = KVCacheManager(64, 4, enable_prefix_caching=True)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, policy=policy), kv)
+        a = _req("a", range(1, 14))
+        sched.add(a)
+        _step(kv, sched, sched.schedule())                # a: 13 tokens computed, 3 blocks cached
+        b = _req("b", range(100, 120))                    # 20 uncached tokens
+        b.num_preemptions = int(preempt_b)
+        c, d = _req("c", list(range(1, 13)) + [70, 71]), _req("d", list(range(1, 9)) + [80, 81, 82])
+        for r in (b, c, d):
+            sched.add(r)
+        return _scheduled(sched.schedule())
+    assert run("lpm") == [("a", 13, 1), ("c", 12, 2), ("d", 8, 3), ("b", 0, 10)]
+    assert run("fcfs") == [("a", 13, 1), ("b", 0, 15)]
+    assert run("lpm", preempt_b=True) == [("a", 13, 1), ("b", 0, 15)]
+
+
+def test_a_schedule_policy_is_fcfs_or_lpm():
+    with pytest.raises(ValueError, match="schedule policy"):
+        SchedulerConfig(policy="sjf")
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_burst_sharing_a_new_prefix_computes_it_once(tiny_dir, async_scheduling):
     """Six prompts with one new 53-token system prompt sent together: the prefix's whole blocks are computed
@@ -301,8 +326,9 @@ def _served_twice(path, cache: bool, **kw):
     return first, second, llm
 
 
-@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16}, {"async_scheduling": True}],
-                         ids=["default", "chunked", "async"])
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16}, {"async_scheduling": True},
+                                {"schedule_policy": "lpm", "max_num_batched_tokens": 16}],
+                         ids=["default", "chunked", "async", "lpm"])
 def test_outputs_equal_with_the_cache_on_and_off(tiny_dir, kw):
     """The default tiny model (16 indexer heads: with 4, ReLU made many index scores exactly 0 and their
     top-k ties broke differently with the batch shape, which prefix caching changes)."""

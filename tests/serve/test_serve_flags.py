@@ -192,7 +192,7 @@ NON_DEFAULT = {"tp": 2, "device": "cpu", "dtype": "float32", "load_format": "dum
                "fp8_proj_gemm": True, "fp8_proj_min_tokens": 7, "enforce_eager": True, "async_scheduling": True, "enable_prefix_caching": False,
                "max_num_seqs": 3, "max_num_batched_tokens": 99, "max_model_len": 512, "block_size": 32,
                "gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": 2**20, "kv_cache_memory_gb": 0.25,
-               "gpus_per_rank": 0.5, "piecewise_cuda_graph_max_tokens": 0}
+               "gpus_per_rank": 0.5, "piecewise_cuda_graph_max_tokens": 0, "schedule_policy": "lpm"}
 
 
 @pytest.mark.parametrize("name", [f.name for f, s in serve_args.settings((ENGINE,)) if not s.positional])
