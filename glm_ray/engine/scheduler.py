@@ -179,8 +179,9 @@ class Scheduler:
         it (kv_cache.py: a copy's chain stops). Only a fresh request that could take that block from the
         cache (a whole block before its last token, no prompt logprobs) waits; a preempted one never."""
         bs, m = self.kv.block_size, len(hit)
-        if (not (self.kv.enable_prefix_caching and self.share_inflight_prefixes) or req.num_preemptions or req.params.prompt_logprobs is not None
-                or (m + 1) * bs > req.num_prompt_tokens - 1):
+        if not (self.kv.enable_prefix_caching and self.share_inflight_prefixes):
+            return False
+        if req.num_preemptions or req.params.prompt_logprobs is not None or (m + 1) * bs > req.num_prompt_tokens - 1:
             return False
         block = req.prompt_token_ids[m * bs:(m + 1) * bs]
         return any(0 <= lead.num_registered_blocks <= m and (m + 1) * bs <= lead.num_prompt_tokens
