@@ -10,6 +10,7 @@
 # (default 120) is skipped and said so. DI_ENV="RAY_SERVE_THROUGHPUT_OPTIMIZED=1" serves in Ray Serve's whole
 # throughput-optimized mode instead (direct ingress + gRPC between deployments + ...; also on port 30000).
 # CS="16 64": several concurrencies, each a run of its own (fresh prefixes) in every lifetime and port.
+# PACK=1: at the end, every file but the table's inputs moves into $OUT/runs.tgz (a device call returns 8 files).
 #   bash scripts/direct_ingress_ab.sh        (results under ${OUT:-results/direct-ingress})
 set -uo pipefail
 OUT=${OUT:-results/direct-ingress}; mkdir -p $OUT; PORT=${PORT:-8100}; C=${C:-4}; DI=30000
@@ -59,3 +60,6 @@ for port, c in sorted({(p, c) for _, p, c in rows}):
               f"median off/on {off['median_ttft_ms'] / on['median_ttft_ms']:.2f}")
 PY
 for mode in ${MODES:-on off}; do echo "-- the ingress's TTFT split, cache $mode"; tail -6 $OUT/ttft_split_$mode.txt; done
+if [ "${PACK:-0}" = 1 ]; then
+  (cd $OUT && tar czf runs.tgz --exclude runs.tgz --exclude 'gsp_*.jsonl' . && find . -type f ! -name runs.tgz ! -name 'gsp_*.jsonl' -delete)
+fi
