@@ -61,5 +61,6 @@ for port, c in sorted({(p, c) for _, p, c in rows}):
 PY
 for mode in ${MODES:-on off}; do echo "-- the ingress's TTFT split, cache $mode"; tail -6 $OUT/ttft_split_$mode.txt; done
 if [ "${PACK:-0}" = 1 ]; then
-  (cd $OUT && tar czf runs.tgz --exclude runs.tgz --exclude 'gsp_*.jsonl' . && find . -type f ! -name runs.tgz ! -name 'gsp_*.jsonl' -delete)
+  (cd $OUT && files=$(find . -maxdepth 1 -type f ! -name runs.tgz ! -name 'gsp_*.jsonl') \
+     && [ -n "$files" ] && tar czf runs.tgz $files && rm -f $files)
 fi
