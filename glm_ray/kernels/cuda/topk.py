@@ -180,7 +180,7 @@ def _compact_kernel(s_ptr, len_ptr, hist_ptr, cnt_ptr, gt_ptr, o_ptr, N, K, S, s
 
 
 # --------------------------------------------------------------------------------------------
-# prefill: one row per program, the row held in registers, the picks written as a bitmap
+# prefill: one row per program, its row walked in chunks, the picks written as a bitmap
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
