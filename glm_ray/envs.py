@@ -160,6 +160,12 @@ KERNEL_WARMUP: EnvVar[str] = EnvVar(
     "GLM_RAY_KERNEL_WARMUP", _choice("auto", "on", "off"), "auto", "start-up: each rank runs up to five eager "
     "steps shaped like prefill / chunked prefill / a mixed step past index_topk / mid-size prompts so "
     "their kernels compile before the first request (worker/warmup.py); auto = on a GPU only", "auto|on|off")
+LATE_SCHEDULING: EnvVar[bool] = EnvVar(
+    "GLM_RAY_LATE_SCHEDULING", _bool, False, "serving on a GPU with async scheduling: schedule each step at the latest "
+    "point that still queues it before the running step ends (that step's start + the least recent device time of "
+    "its shape - the host's launch time - 0.5 ms) or when a request arrives, instead of at the running step's start: "
+    "a request arriving during step N joins N+1, not N+2 (engine/pacing.py). Off: vLLM's and sglang's schedule "
+    "point", "bool")
 STEP_TIMEOUT_S: EnvVar[float] = EnvVar(
     "GLM_RAY_STEP_TIMEOUT_S", _positive_float, 600.0, "serving: an engine step running longer than this "
     "fails the engine (its streams end with a 503, health fails, Serve replaces the replica): a rank "
@@ -190,7 +196,7 @@ ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_TH
                            TIME_COLLECTIVES, STEP_TIMELINE, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
                            CUDA_MOE_DECODE_PAIRS, CUDA_MOE_PREFILL_ROWS, SIDE_STREAM_TOKENS, ABSORB_PREFILL_TOKENS,
                            CUDA_INDEXER_TOPK, CUDA_KDA_SCAN,
-                           LOG_TRITON_COMPILES, KERNEL_WARMUP, STEP_TIMEOUT_S, FAULT_INJECTION,
+                           LOG_TRITON_COMPILES, KERNEL_WARMUP, LATE_SCHEDULING, STEP_TIMEOUT_S, FAULT_INJECTION,
                            TEST_FORCED_OUTPUT, GRAMMAR_THREADS, GRAMMAR_CACHE_MB, LOG_STATS_INTERVAL_S, LOG_LEVEL)
 
 

@@ -10,16 +10,20 @@
 # (default 120) is skipped and said so. DI_ENV="RAY_SERVE_THROUGHPUT_OPTIMIZED=1" serves in Ray Serve's whole
 # throughput-optimized mode instead (direct ingress + gRPC between deployments + ...; also on port 30000).
 # CS="16 64": several concurrencies, each a run of its own (fresh prefixes) in every lifetime and port.
+# MODES: lifetimes in order; "on" / "off" = the prefix cache; a "+late" suffix ("on+late") also sets
+#   GLM_RAY_LATE_SCHEDULING=1 (engine/pacing.py), so MODES="on on+late on+late on" A/Bs it over interleaved lifetimes.
 # PACK=1: at the end, every file but the table's inputs moves into $OUT/runs.tgz (a device call returns 8 files).
 #   bash scripts/direct_ingress_ab.sh        (results under ${OUT:-results/direct-ingress})
 set -uo pipefail
 OUT=${OUT:-results/direct-ingress}; mkdir -p $OUT; PORT=${PORT:-8100}; C=${C:-4}; DI=30000
 MODEL=${MODEL:-tiny}; EXTRA=${EXTRA:-}; GLMRAY=${GLMRAY:-glm-ray}; LIM=${LIM:-900}; RUN_S=${RUN_S:-120}
 GSP=${GSP:---gsp-num-groups 8 --gsp-prompts-per-group 8 --gsp-system-prompt-len 1024 --gsp-question-len 32 --gsp-output-len 16}
-T0=$(date +%s)
-for mode in ${MODES:-on off}; do
-  flag=""; [ $mode = off ] && flag=--no-enable-prefix-caching
-  env ${DI_ENV:-RAY_SERVE_ENABLE_DIRECT_INGRESS=1} $GLMRAY serve $MODEL $EXTRA $flag --port $PORT --metrics-port $((PORT + 1)) \
+T0=$(date +%s); seen=" "
+for m in ${MODES:-on off}; do
+  mode=$m; n=2; while [[ "$seen" == *" $mode "* ]]; do mode=$m.$n; n=$((n + 1)); done; seen="$seen$mode "   # on, on.2, ...
+  m=${m%+late}; flag=""; [ $m = off ] && flag=--no-enable-prefix-caching
+  late=0; [[ "$mode" == *+late* ]] && late=1
+  env ${DI_ENV:-RAY_SERVE_ENABLE_DIRECT_INGRESS=1} GLM_RAY_LATE_SCHEDULING=$late $GLMRAY serve $MODEL $EXTRA $flag --port $PORT --metrics-port $((PORT + 1)) \
     > $OUT/serve_$mode.log 2>&1 &
   server=$!
   for i in $(seq 1 150); do
@@ -59,7 +63,7 @@ for port, c in sorted({(p, c) for _, p, c in rows}):
         print(f"port {port}, C={c}: mean TTFT off/on {off['mean_ttft_ms'] / on['mean_ttft_ms']:.2f}, "
               f"median off/on {off['median_ttft_ms'] / on['median_ttft_ms']:.2f}")
 PY
-for mode in ${MODES:-on off}; do echo "-- the ingress's TTFT split, cache $mode"; tail -6 $OUT/ttft_split_$mode.txt; done
+for mode in $(echo $seen); do echo "-- the ingress's TTFT split, $mode"; tail -6 $OUT/ttft_split_$mode.txt; done
 if [ "${PACK:-0}" = 1 ]; then
   (cd $OUT && files=$(find . -maxdepth 1 -type f ! -name runs.tgz ! -name 'gsp_*.jsonl') \
      && [ -n "$files" ] && tar czf runs.tgz $files && rm -f $files)

@@ -24,6 +24,7 @@ from glm_ray.engine.detokenizer import IncrementalDetokenizer
 from glm_ray.engine.errors import EngineOverloadedError, InvalidRequestError, StepOutOfMemoryError
 from glm_ray.engine.kv_cache import KVCacheManager
 from glm_ray.engine.outputs import TokenDelta
+from glm_ray.engine.pacing import ShapeKey, shape_key
 from glm_ray.engine.request import Request
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.scheduler import Scheduler
@@ -44,6 +45,7 @@ class StepStats:
     update_s: float = 0.0
     worker_timings: dict = field(default_factory=dict)
     finished_at: float = 0.0        # time.monotonic() when its results were applied
+    shape: ShapeKey | None = None   # engine.pacing.shape_key of the step
 
     @property
     def step_s(self) -> float:
@@ -156,6 +158,9 @@ class EngineCore:
         self.scheduler.async_mode = self.async_scheduling
         self.scheduler.max_model_len = self.max_model_len
         self._inflight: tuple[SchedulerOutput, object] | None = None      # launched, not collected
+        self.inflight_started: float | None = None   # perf_counter() when the device began the in-flight step
+        self.last_launch_s = 0.0                      # the last step() call's schedule + launch (async)
+        self.num_steps = 0                            # steps whose results were applied
         logger.info("engine ready: %d KV blocks (%d tokens), max_model_len %d", self.kv.num_blocks,
                     self.kv.capacity_tokens, self.max_model_len)
 
@@ -257,26 +262,38 @@ class EngineCore:
         if not sched.is_empty or sched.finished_req_ids:
             sched.share_tokens = True
             launched = (sched, self.executor.launch(sched))
+        t2 = time.perf_counter()
+        self.last_launch_s = t2 - t0
         prev, self._inflight = self._inflight, launched
         if prev is None:
+            self.inflight_started = t2 if launched is not None else None
             return []
         psched, pending = prev
         result = self.executor.collect(pending)
         t3 = time.perf_counter()
+        # N+1 was queued behind N, so the device began it when N's tokens came back (or at its launch)
+        self.inflight_started = t3 if launched is not None else None
         deltas = self._update(psched, result)
         self._record(psched, result, schedule_s=t1 - t0, execute_s=t3 - t1, update_s=time.perf_counter() - t3)
         return deltas
+
+    @property
+    def inflight_shape(self) -> ShapeKey | None:
+        """`pacing.shape_key` of the launched, not yet collected step (async scheduling), else None."""
+        return shape_key(self._inflight[0]) if self._inflight is not None else None
 
     def _record(self, sched: SchedulerOutput, result, *, schedule_s: float, execute_s: float,
                 update_s: float) -> None:
         """The stats of the step whose results were just applied (`last_stats`, `step_history`)."""
         self.num_preemptions += sched.num_preempted
+        self.num_steps += 1
         self.last_stats = StepStats(
             num_tokens=sched.num_tokens,
             num_prefill_tokens=sum(len(s.token_ids) for s in sched.seqs if len(s.token_ids) > 1 or not s.sample),
             num_decode_seqs=sum(1 for s in sched.seqs if len(s.token_ids) == 1 and s.sample),
             num_preempted=sched.num_preempted, schedule_s=schedule_s, execute_s=execute_s, update_s=update_s,
-            worker_timings=result.timings if result is not None else {}, finished_at=time.monotonic())
+            worker_timings=result.timings if result is not None else {}, finished_at=time.monotonic(),
+            shape=shape_key(sched))
         self.step_history.append(self.last_stats)
 
     def _update(self, sched: SchedulerOutput, result) -> list[TokenDelta]:

@@ -23,6 +23,7 @@ from glm_ray import envs
 from glm_ray.engine.engine_core import EngineCore, summarize_steps
 from glm_ray.engine.errors import StepTimeoutError
 from glm_ray.engine.outputs import TokenDelta
+from glm_ray.engine.pacing import StepPacer
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.stats_log import StatsLogger
 from glm_ray.engine.tokenizer import load_tokenizer
@@ -103,6 +104,9 @@ class Admission:
     def pending(self) -> bool:
         return bool(self._adds or self._aborts)
 
+    def has_adds(self) -> bool:
+        return bool(self._adds)
+
     @property
     def num_adds(self) -> int:
         return len(self._adds)
@@ -144,6 +148,10 @@ class EngineHost(RankActor):
         self.engine = EngineCore(self.cfg, executor, load_tokenizer(tokenizer_path) if tokenizer_path else None)
         self.admission = Admission()
         self.stats_log = StatsLogger(self.engine, envs.LOG_STATS_INTERVAL_S.get())
+        on_gpu = getattr(getattr(self.worker, "device", None), "type", "cpu") == "cuda"
+        self.pacer = StepPacer() if envs.LATE_SCHEDULING.get() and self.engine.async_scheduling and on_gpu else None
+        if self.pacer is not None:
+            logger.info("late scheduling: each step is scheduled as late as the running one allows (engine/pacing.py)")
         self._wake = threading.Event()
         self._out: queue.Queue = queue.Queue()
         self._dead: BaseException | None = None
@@ -192,7 +200,10 @@ class EngineHost(RankActor):
             self._probed = now
 
     def stats(self) -> dict:
-        return engine_stats(self.engine, "engine_in_rank0")
+        out = engine_stats(self.engine, "engine_in_rank0")
+        if getattr(self, "pacer", None) is not None:
+            out["pacing"] = self.pacer.stats()
+        return out
 
     def stop(self) -> None:
         self._stopping = True
@@ -201,9 +212,15 @@ class EngineHost(RankActor):
     # ---- the loop (its own thread) ------------------------------------------------------------
     def _loop(self) -> None:
         last, shown = time.monotonic(), None          # when the last StepBatch went out, and its gauges
+        pacer = getattr(self, "pacer", None)
         try:
             while not getattr(self, "_stopping", False):
+                if pacer is not None:
+                    self._pace(pacer)
+                self._wake.clear()                        # an add from here on sets it again
+                t0 = time.perf_counter()
                 rejected = self.admission.apply(self.engine)
+                apply_s = time.perf_counter() - t0
                 if not self.engine.has_unfinished():
                     # at once when the gauges moved (e.g. the aborts of disconnected clients), else a tick
                     if rejected or engine_gauges(self.engine) != shown or time.monotonic() - last > _IDLE_TICK_S:
@@ -211,12 +228,18 @@ class EngineHost(RankActor):
                         self._out.put(batch)
                         last, shown = time.monotonic(), batch.gauges
                     self.stats_log.maybe_log()              # the last busy window, once its interval is over
-                    self._wake.wait(timeout=_IDLE_TICK_S)
-                    self._wake.clear()
+                    if not self.admission.pending():
+                        self._wake.wait(timeout=_IDLE_TICK_S)
                     continue
                 self._step_started = time.monotonic()
+                n0 = self.engine.num_steps
                 deltas = self.engine.step()
                 self._step_started = None
+                if pacer is not None:
+                    pacer.observe_host(apply_s + self.engine.last_launch_s)
+                    if self.engine.num_steps > n0:
+                        s = self.engine.last_stats
+                        pacer.observe_device(s.shape, s.worker_timings.get("device"))
                 batch = step_batch(self.engine, deltas, rejected)
                 self._out.put(batch)
                 last, shown = time.monotonic(), batch.gauges
@@ -229,6 +252,19 @@ class EngineHost(RankActor):
             return
         self.engine.executor.shutdown()           # TP > 1: the followers leave their loops
         self._out.put(None)
+
+    def _pace(self, pacer: StepPacer) -> None:
+        """Late scheduling: before scheduling the next step, wait while the running one has time left
+        (`StepPacer.deadline`) unless a request is waiting to be added; an add or abort ends the wait."""
+        deadline = pacer.deadline(self.engine.inflight_started, self.engine.inflight_shape)
+        if deadline is None or self.admission.has_adds():
+            return
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return
+        pacer.paced += 1
+        if self._wake.wait(timeout=left):
+            pacer.joined += self.admission.has_adds()
 
 
 EngineHostActor = ray.remote(EngineHost)

@@ -1,0 +1,71 @@
+"""When the served loop schedules its next step under async scheduling (`GLM_RAY_LATE_SCHEDULING`).
+
+The overlapped loop schedules and launches step N+1 while step N runs on the device. Done at once (vLLM's
+async scheduling and sglang's overlap loop do), that schedule point sits at the start of step N, so a
+request that arrives during step N misses N+1 and waits for N+2: one whole step of extra time to its first
+token (a mixed step on glm5-flash-31b is ~40 ms). `StepPacer` moves the schedule point to the latest moment
+that still has N+1 queued before N ends — N's start on the device + N's expected device time - the host's
+time to schedule and launch - a margin — and the served loop (`serve/engine_host.py`) waits until then or
+until a request arrives, whichever comes first: a request arriving during step N then joins N+1.
+
+Expected device time: the minimum of the last few measured device times (`StepTimeline`'s CUDA events) of
+steps of the same shape class (decode-only by batch, otherwise by token count, in power-of-two buckets);
+the host's time: the maximum of the last few schedule + launch times. Minimum and maximum err early: a
+wrong guess costs the waiting request a step, as before, not the running ones an idle device. With no
+history for a shape class the loop schedules at once, as without pacing.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from glm_ray.engine.contract import SchedulerOutput
+
+ShapeKey = tuple[str, int]
+
+
+def shape_key(sched: SchedulerOutput) -> ShapeKey:
+    """The step's shape class: ("decode", batch bucket) when every row decodes one token, else ("mixed",
+    token-count bucket); buckets are the next power of two."""
+    seqs = sched.seqs
+    if seqs and all(len(s.token_ids) == 1 and s.sample for s in seqs):
+        return "decode", _bucket(len(seqs))
+    return "mixed", _bucket(sched.num_tokens)
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class StepPacer:
+    """Expected device time per shape class and the host's launch time, from the steps the loop ran."""
+
+    def __init__(self, margin_s: float = 0.5e-3, history: int = 8):
+        self.margin_s = margin_s
+        self.history = history
+        self._device: dict[ShapeKey, deque[float]] = {}
+        self._host: deque[float] = deque(maxlen=2 * history)
+        self.paced = 0              # schedule points the loop waited for
+        self.joined = 0             # ... of them cut short by an arriving request
+
+    def observe_device(self, key: ShapeKey, device_s: float | None) -> None:
+        """A finished step's device time (None: not measured, e.g. an empty step)."""
+        if device_s is not None and device_s > 0:
+            self._device.setdefault(key, deque(maxlen=self.history)).append(device_s)
+
+    def observe_host(self, seconds: float) -> None:
+        """The host's time from the schedule point to the step's launch (admission, schedule, launch)."""
+        self._host.append(seconds)
+
+    def deadline(self, started_at: float | None, key: ShapeKey | None) -> float | None:
+        """The latest time (the `started_at` clock) at which scheduling the next step still queues it before
+        the running step of shape `key`, started on the device at `started_at`, ends; None: schedule now."""
+        if started_at is None or key is None:
+            return None
+        dev = self._device.get(key)
+        if not dev or not self._host:
+            return None
+        return started_at + min(dev) - max(self._host) - self.margin_s
+
+    def stats(self) -> dict:
+        return {"paced": self.paced, "joined": self.joined,
+                "host_ms": max(self._host) * 1e3 if self._host else None}

@@ -1,0 +1,145 @@
+"""Late scheduling (`GLM_RAY_LATE_SCHEDULING`, engine/pacing.py): the served loop schedules each step as late
+as the running one allows, so a request that arrives during step k joins step k+1 instead of k+2.
+
+The pacer's arithmetic is checked alone; the loop is `EngineHost._loop` itself (no Ray) over the tiny model
+on CPU, whose executor is wrapped in a simulated device: a launch computes the step at once (the CPU) but the
+step "runs" on one serial stream for a fixed time after the previous step ends, and its collect waits for that
+end and reports the step's device time, as CUDA events would. The step a request first lands in is read from
+that stream's log; the outputs are compared with the synchronous engine's."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from glm_ray import LLM, SamplingParams
+from glm_ray.engine.pacing import StepPacer, shape_key
+from glm_ray.engine.stats_log import StatsLogger
+from glm_ray.serve.engine_host import Admission, EngineHost
+
+STEP_S = 0.15                  # the simulated device time of every non-empty step
+
+
+def _sched(*qlens, sample=True):
+    seqs = [SimpleNamespace(token_ids=[0] * q, sample=sample) for q in qlens]
+    return SimpleNamespace(seqs=seqs, num_tokens=sum(qlens))
+
+
+def test_shape_keys():
+    assert shape_key(_sched(1)) == ("decode", 1)
+    assert shape_key(_sched(1, 1, 1)) == ("decode", 4)
+    assert shape_key(_sched(*[1] * 33)) == ("decode", 64)
+    assert shape_key(_sched(1, 1, 100)) == ("mixed", 128)                # any row longer than one token
+    assert shape_key(_sched(1, sample=False)) == ("mixed", 1)            # a one-token prefill chunk
+    assert shape_key(_sched(2048)) == ("mixed", 2048)
+
+
+def test_deadline_errs_early():
+    p = StepPacer(margin_s=0.001, history=3)
+    key = ("decode", 8)
+    assert p.deadline(10.0, key) is None                                 # no history: schedule now
+    p.observe_device(key, 0.020)
+    assert p.deadline(10.0, key) is None                                 # no host time yet
+    p.observe_host(0.002)
+    assert p.deadline(10.0, key) == pytest.approx(10.0 + 0.020 - 0.002 - 0.001)
+    for d in (0.018, 0.025, 0.030):                                      # the window keeps the last 3
+        p.observe_device(key, d)
+    p.observe_host(0.004)
+    assert p.deadline(10.0, key) == pytest.approx(10.0 + 0.018 - 0.004 - 0.001)   # least device, most host
+    p.observe_device(key, 0.040)                                         # 0.018 leaves the window
+    assert p.deadline(10.0, key) == pytest.approx(10.0 + 0.025 - 0.004 - 0.001)
+    assert p.deadline(10.0, ("decode", 16)) is None                      # another shape: no history
+    assert p.deadline(None, key) is None                                 # nothing in flight
+    p.observe_device(key, None)                                          # unmeasured steps are ignored
+    assert p.deadline(10.0, key) == pytest.approx(10.0 + 0.025 - 0.004 - 0.001)
+
+
+class _SimDevice:
+    """Wraps an in-process executor: steps run on one serial simulated stream of STEP_S each."""
+
+    def __init__(self, executor):
+        self.ex, self.free_at = executor, 0.0
+        self.log: list[tuple[float, float, set[str]]] = []          # (start, end, request ids) per step
+        self._launch, self._collect = executor.launch, executor.collect
+        executor.launch, executor.collect = self.launch, self.collect
+
+    def launch(self, step):
+        pending = self._launch(step)                                     # the CPU computes it here
+        now = time.perf_counter()
+        if step.is_empty:
+            return pending, now, None
+        start = max(now, self.free_at)
+        self.free_at = end = start + STEP_S
+        self.log.append((start, end, {s.req_id for s in step.seqs}))
+        return pending, end, STEP_S
+
+    def collect(self, launched):
+        pending, end, device_s = launched
+        time.sleep(max(0.0, end - time.perf_counter()))
+        out = self._collect(pending)
+        if out is not None and device_s is not None:
+            out.timings["device"] = device_s
+        return out
+
+    def first_step_of(self, rid: str) -> int:
+        return next(i for i, (_, _, ids) in enumerate(self.log) if rid in ids)
+
+    def step_at(self, t: float) -> int:
+        return next(i for i, (s, e, _) in enumerate(self.log) if s <= t < e)
+
+
+def _serve(tiny_dir, pacer: StepPacer | None):
+    """Run A, then add B mid-step once A decodes; returns (B's first step - the step running at its add,
+    both outputs, the simulated stream's idle gaps between A's decode steps, the pacer)."""
+    llm = LLM(tiny_dir, dtype="float32", async_scheduling=True, kv_cache_memory_bytes=32 << 20)
+    eng = llm.engine
+    dev = _SimDevice(eng.executor)
+    h = EngineHost.__new__(EngineHost)                                   # no rank actor: the loop alone
+    h.engine, h.admission, h._wake, h._out = eng, Admission(), threading.Event(), queue.Queue()
+    h.stats_log, h._dead, h._step_started, h.pacer = StatsLogger(eng, 0), None, None, pacer
+    thread = threading.Thread(target=h._loop, daemon=True)
+    thread.start()
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    h.add("A", list(range(10, 30)), params, 12)
+    b_at = None
+    try:
+        deadline = time.perf_counter() + 30
+        while b_at is None and time.perf_counter() < deadline:      # a step past A's 3rd, 40 ms in
+            now = time.perf_counter()
+            running = [i for i, (s, e, _) in enumerate(dev.log) if s + 0.04 <= now < e - 0.09]
+            if running and running[0] >= 3:
+                b_at = now
+                h.add("B", list(range(40, 57)), params, 12)
+            time.sleep(0.002)
+        outs: dict[str, list[int]] = {"A": [], "B": []}
+        done = 0
+        while done < 2:
+            item = h._out.get(timeout=30)
+            for d in item.deltas:
+                outs[d.request_id].extend(d.new_token_ids)
+                done += d.finished
+    finally:
+        h.stop()
+        thread.join(timeout=10)
+    lag = dev.first_step_of("B") - dev.step_at(b_at)
+    a_steps = [(s, e) for s, e, ids in dev.log if ids == {"A"}][1:]      # A alone, decoding
+    gaps = [s1 - e0 for (_, e0), (s1, _) in zip(a_steps, a_steps[1:])]
+    return lag, outs, gaps, llm
+
+
+def test_a_request_arriving_mid_step_joins_the_next_step(tiny_dir):
+    paced = StepPacer(margin_s=0.03)                                     # CI's host: 30 ms of slack
+    lag, outs, gaps, _ = _serve(tiny_dir, paced)
+    assert lag == 1, "with late scheduling a request added during step k is first scheduled in step k+1"
+    assert paced.paced >= 3 and paced.joined >= 1
+    assert max(gaps) < 0.005, "each paced step was still queued before the running one ended"
+    lag0, outs0, _, _ = _serve(tiny_dir, None)
+    assert lag0 == 2, "without it, step k+1 was scheduled when step k began: the request waits for k+2"
+    assert outs == outs0
+    llm = LLM(tiny_dir, dtype="float32", async_scheduling=False, kv_cache_memory_bytes=32 << 20)
+    ref = llm.generate([{"prompt_token_ids": list(range(10, 30))}, {"prompt_token_ids": list(range(40, 57))}],
+                       SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert outs["A"] == ref[0].outputs[0].token_ids and outs["B"] == ref[1].outputs[0].token_ids
