@@ -7,13 +7,14 @@ last one:
     engine: prompt 4096.0 tok/s, generation 1830.2 tok/s | running 64, waiting 0, KV cache 12.3%,
     prefix cache hits 88.2% | 480 decode steps: 20.1 ms median at batch 64; 20 prefill/mixed steps:
     245.3 ms median, 2048 tokens | TTFT in the engine 61.0 ms median (queued 3.2 ms), 16 requests |
-    ITL in the engine 24.9 ms mean (20.1 median), 28672 tokens | device 18.2 ms, gap 0.10 ms
+    ITL in the engine 24.9 ms mean (20.1 median), 28672 tokens | device 18.2 ms, gap 0.10 ms (mean 0.12)
 
 A step's time here is the wall time between two consecutive finished steps (what a streaming client's
 inter-token latency sees; under async scheduling the two overlap, so the sum of schedule / execute /
 update is not it). "decode" steps are those where every scheduled token is one sequence's next token
 (the CUDA-graph steps); every other step admits prompt tokens ("prefill/mixed", eager). `device` and
-`gap` appear when the step timeline is on (GLM_RAY_STEP_TIMELINE). "TTFT in the engine" covers the
+`gap` appear when the step timeline is on (GLM_RAY_STEP_TIMELINE, or late scheduling on a GPU, whose
+line also counts the loop's waits for a later schedule point and those an arriving request ended). "TTFT in the engine" covers the
 requests whose first token came in the window: from their arrival at the engine to that token (queued:
 to their first scheduling). "ITL in the engine" is the time between a request's consecutive tokens as the
 loop emits them (a step's emission time = when the loop finished it; a delta of n tokens splits its gap evenly, as
@@ -48,6 +49,8 @@ class StatsLogger:
         self._last_emit: dict[str, float] = {}          # request id -> when the loop emitted its last token
         self._itl: list[float] = []                     # the window's per-token gaps (s)
         self._prefix = (engine.kv.prefix_queries, engine.kv.prefix_hits)
+        self.pacer = None                               # the served loop's StepPacer (late scheduling), if on
+        self._paced = (0, 0)
 
     def on_step(self, deltas: list[TokenDelta]) -> None:
         self._generated += sum(len(d.new_token_ids) for d in deltas)
@@ -80,6 +83,8 @@ class StatsLogger:
         # an aborted request ends without a finished delta: keep only the engine's live requests
         self._last_emit = {r: t for r, t in self._last_emit.items() if r in self.engine.requests}
         self._prefix = (self.engine.kv.prefix_queries, self.engine.kv.prefix_hits)
+        if self.pacer is not None:
+            self._paced = (self.pacer.paced, self.pacer.joined)
         return line
 
     def line(self, steps: list[StepStats], window_s: float) -> str:
@@ -111,7 +116,11 @@ class StatsLogger:
         if dev:
             gap = [s.worker_timings["gap"] for s in steps if "gap" in s.worker_timings]
             parts.append(f"device {1e3 * statistics.median(dev):.1f} ms"
-                         + (f", gap {1e3 * statistics.median(gap):.2f} ms" if gap else ""))
+                         + (f", gap {1e3 * statistics.median(gap):.2f} ms (mean {1e3 * statistics.fmean(gap):.2f})"
+                            if gap else ""))
+        if self.pacer is not None:
+            parts.append(f"late scheduling: {self.pacer.paced - self._paced[0]} waits, "
+                         f"{self.pacer.joined - self._paced[1]} ended by an arrival")
         return " | ".join(parts)
 
 

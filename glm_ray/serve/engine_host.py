@@ -151,6 +151,7 @@ class EngineHost(RankActor):
         on_gpu = getattr(getattr(self.worker, "device", None), "type", "cpu") == "cuda"
         self.pacer = StepPacer() if envs.LATE_SCHEDULING.get() and self.engine.async_scheduling and on_gpu else None
         if self.pacer is not None:
+            self.stats_log.pacer = self.pacer
             logger.info("late scheduling: each step is scheduled as late as the running one allows (engine/pacing.py)")
         self._wake = threading.Event()
         self._out: queue.Queue = queue.Queue()

@@ -100,6 +100,7 @@ def _serve(tiny_dir, pacer: StepPacer | None):
     h = EngineHost.__new__(EngineHost)                                   # no rank actor: the loop alone
     h.engine, h.admission, h._wake, h._out = eng, Admission(), threading.Event(), queue.Queue()
     h.stats_log, h._dead, h._step_started, h.pacer = StatsLogger(eng, 0), None, None, pacer
+    h.stats_log.pacer = pacer
     thread = threading.Thread(target=h._loop, daemon=True)
     thread.start()
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -127,6 +128,9 @@ def _serve(tiny_dir, pacer: StepPacer | None):
     lag = dev.first_step_of("B") - dev.step_at(b_at)
     a_steps = [(s, e) for s, e, ids in dev.log if ids == {"A"}][1:]      # A alone, decoding
     gaps = [s1 - e0 for (_, e0), (s1, _) in zip(a_steps, a_steps[1:])]
+    if pacer is not None:                                                # the stats line counts the waits
+        line = h.stats_log.line(list(eng.step_history), 1.0)
+        assert f"late scheduling: {pacer.paced} waits, {pacer.joined} ended by an arrival" in line, line
     return lag, outs, gaps, llm
 
 
