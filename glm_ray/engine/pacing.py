@@ -10,9 +10,11 @@ until a request arrives, whichever comes first: a request arriving during step N
 
 Expected device time: the minimum of the last few measured device times (`StepTimeline`'s CUDA events) of
 steps of the same shape class (decode-only by batch, otherwise by token count, in power-of-two buckets);
-the host's time: the maximum of the last few schedule + launch times. Minimum and maximum err early: a
-wrong guess costs the waiting request a step, as before, not the running ones an idle device. With no
-history for a shape class the loop schedules at once, as without pacing.
+the host's time: the maximum of the last few schedule + launch times; the margin: 0.5 ms + the longest idle
+gap (at most 5 ms) the device had before any of the last 64 steps queued behind a running one (a late
+wake-up, e.g. the loop's thread waiting for the GIL, shows there and moves later schedule points earlier).
+Minimum and maximum err early: a wrong guess costs the waiting request a step, as before, not the running
+ones an idle device. With no history for a shape class the loop schedules at once, as without pacing.
 """
 from __future__ import annotations
 
@@ -44,13 +46,16 @@ class StepPacer:
         self.history = history
         self._device: dict[ShapeKey, deque[float]] = {}
         self._host: deque[float] = deque(maxlen=2 * history)
+        self._gaps: deque[float] = deque(maxlen=8 * history)
         self.paced = 0              # schedule points the loop waited for
         self.joined = 0             # ... of them cut short by an arriving request
 
-    def observe_device(self, key: ShapeKey, device_s: float | None) -> None:
-        """A finished step's device time (None: not measured, e.g. an empty step)."""
+    def observe_device(self, key: ShapeKey, device_s: float | None, gap_s: float | None = None) -> None:
+        """A finished step's device time and the device's idle gap before it (None: not measured)."""
         if device_s is not None and device_s > 0:
             self._device.setdefault(key, deque(maxlen=self.history)).append(device_s)
+        if gap_s is not None:
+            self._gaps.append(min(gap_s, 5e-3))          # one stall (a GC pause) must not switch pacing off
 
     def observe_host(self, seconds: float) -> None:
         """The host's time from the schedule point to the step's launch (admission, schedule, launch)."""
@@ -64,7 +69,7 @@ class StepPacer:
         dev = self._device.get(key)
         if not dev or not self._host:
             return None
-        return started_at + min(dev) - max(self._host) - self.margin_s
+        return started_at + min(dev) - max(self._host) - self.margin_s - max(self._gaps, default=0.0)
 
     def stats(self) -> dict:
         return {"paced": self.paced, "joined": self.joined,

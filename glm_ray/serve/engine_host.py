@@ -214,6 +214,7 @@ class EngineHost(RankActor):
     def _loop(self) -> None:
         last, shown = time.monotonic(), None          # when the last StepBatch went out, and its gauges
         pacer = getattr(self, "pacer", None)
+        launched_behind = False                       # was the step in flight launched behind a running one?
         try:
             while not getattr(self, "_stopping", False):
                 if pacer is not None:
@@ -233,14 +234,16 @@ class EngineHost(RankActor):
                         self._wake.wait(timeout=_IDLE_TICK_S)
                     continue
                 self._step_started = time.monotonic()
-                n0 = self.engine.num_steps
+                n0, behind = self.engine.num_steps, self.engine.inflight_started is not None
                 deltas = self.engine.step()
                 self._step_started = None
                 if pacer is not None:
                     pacer.observe_host(apply_s + self.engine.last_launch_s)
-                    if self.engine.num_steps > n0:
-                        s = self.engine.last_stats
-                        pacer.observe_device(s.shape, s.worker_timings.get("device"))
+                    if self.engine.num_steps > n0:             # the step collected now was launched last time:
+                        s, w = self.engine.last_stats, self.engine.last_stats.worker_timings
+                        # its gap counts if it was queued behind a running step (not after an idle engine)
+                        pacer.observe_device(s.shape, w.get("device"), w.get("gap") if launched_behind else None)
+                    launched_behind = behind
                 batch = step_batch(self.engine, deltas, rejected)
                 self._out.put(batch)
                 last, shown = time.monotonic(), batch.gauges

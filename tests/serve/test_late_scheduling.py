@@ -55,13 +55,18 @@ def test_deadline_errs_early():
     assert p.deadline(None, key) is None                                 # nothing in flight
     p.observe_device(key, None)                                          # unmeasured steps are ignored
     assert p.deadline(10.0, key) == pytest.approx(10.0 + 0.025 - 0.004 - 0.001)
+    p.observe_device(key, None, gap_s=0.002)                             # the device idled 2 ms: wake earlier
+    p.observe_device(key, None, gap_s=0.0)
+    assert p.deadline(10.0, key) == pytest.approx(10.0 + 0.025 - 0.004 - 0.001 - 0.002)
+    p.observe_device(key, None, gap_s=3.0)                               # one long stall counts as 5 ms
+    assert p.deadline(10.0, key) == pytest.approx(10.0 + 0.025 - 0.004 - 0.001 - 0.005)
 
 
 class _SimDevice:
     """Wraps an in-process executor: steps run on one serial simulated stream of STEP_S each."""
 
     def __init__(self, executor):
-        self.ex, self.free_at = executor, 0.0
+        self.ex, self.free_at, self.prev_end = executor, 0.0, None
         self.log: list[tuple[float, float, set[str]]] = []          # (start, end, request ids) per step
         self._launch, self._collect = executor.launch, executor.collect
         executor.launch, executor.collect = self.launch, self.collect
@@ -70,18 +75,21 @@ class _SimDevice:
         pending = self._launch(step)                                     # the CPU computes it here
         now = time.perf_counter()
         if step.is_empty:
-            return pending, now, None
+            return pending, now, None, None
         start = max(now, self.free_at)
-        self.free_at = end = start + STEP_S
+        gap = None if self.prev_end is None else start - self.prev_end     # the stream's idle time before it
+        self.free_at = self.prev_end = end = start + STEP_S
         self.log.append((start, end, {s.req_id for s in step.seqs}))
-        return pending, end, STEP_S
+        return pending, end, STEP_S, gap
 
     def collect(self, launched):
-        pending, end, device_s = launched
+        pending, end, device_s, gap = launched
         time.sleep(max(0.0, end - time.perf_counter()))
         out = self._collect(pending)
         if out is not None and device_s is not None:
             out.timings["device"] = device_s
+            if gap is not None:
+                out.timings["gap"] = gap
         return out
 
     def first_step_of(self, rid: str) -> int:
