@@ -10,8 +10,8 @@
 # (default 120) is skipped and said so. DI_ENV="RAY_SERVE_THROUGHPUT_OPTIMIZED=1" serves in Ray Serve's whole
 # throughput-optimized mode instead (direct ingress + gRPC between deployments + ...; also on port 30000).
 # CS="16 64": several concurrencies, each a run of its own (fresh prefixes) in every lifetime and port.
-# MODES: lifetimes in order; "on" / "off" = the prefix cache; a "+late" suffix ("on+late") also sets
-#   GLM_RAY_LATE_SCHEDULING=1 (engine/pacing.py), so MODES="on on+late on+late on" A/Bs it over interleaved lifetimes.
+# MODES: lifetimes in order; "on" / "off" = the prefix cache; a "-late" suffix ("on-late") also sets
+#   GLM_RAY_LATE_SCHEDULING=1 (engine/pacing.py), so MODES="on on-late on-late on" A/Bs it over interleaved lifetimes.
 # PACK=1: at the end, every file but the table's inputs moves into $OUT/runs.tgz (a device call returns 8 files).
 #   bash scripts/direct_ingress_ab.sh        (results under ${OUT:-results/direct-ingress})
 set -uo pipefail
@@ -21,8 +21,8 @@ GSP=${GSP:---gsp-num-groups 8 --gsp-prompts-per-group 8 --gsp-system-prompt-len 
 T0=$(date +%s); seen=" "
 for m in ${MODES:-on off}; do
   mode=$m; n=2; while [[ "$seen" == *" $mode "* ]]; do mode=$m.$n; n=$((n + 1)); done; seen="$seen$mode "   # on, on.2, ...
-  m=${m%+late}; flag=""; [ $m = off ] && flag=--no-enable-prefix-caching
-  late=0; [[ "$mode" == *+late* ]] && late=1
+  m=${m%-late}; flag=""; [ $m = off ] && flag=--no-enable-prefix-caching
+  late=0; [[ "$mode" == *-late* ]] && late=1
   env ${DI_ENV:-RAY_SERVE_ENABLE_DIRECT_INGRESS=1} GLM_RAY_LATE_SCHEDULING=$late $GLMRAY serve $MODEL $EXTRA $flag --port $PORT --metrics-port $((PORT + 1)) \
     > $OUT/serve_$mode.log 2>&1 &
   server=$!
@@ -42,7 +42,7 @@ for m in ${MODES:-on off}; do
     done
   done
   grep -o "ingress: TTFT split.*" $OUT/serve_$mode.log | cut -c1-300 > $OUT/ttft_split_$mode.txt
-  grep -o "engine: prompt.*" $OUT/serve_$mode.log | grep -v "generation 0.0 tok/s" | cut -c1-560 > $OUT/stats_lines_$mode.txt
+  grep -o "engine: prompt.*" $OUT/serve_$mode.log | grep -v "generation 0.0 tok/s" | cut -c1-900 > $OUT/stats_lines_$mode.txt
   kill $server; wait $server 2>/dev/null; ray stop --force > /dev/null 2>&1; sleep 2
 done
 python3 - "$OUT" $DI <<'PY'

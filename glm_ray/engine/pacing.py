@@ -10,7 +10,10 @@ until a request arrives, whichever comes first: a request arriving during step N
 
 Expected device time: the minimum of the last few measured device times (`StepTimeline`'s CUDA events) of
 steps of the same shape class (decode-only by batch, otherwise by token count, in power-of-two buckets);
-the host's time: the maximum of the last few schedule + launch times; the margin: 0.5 ms + the longest idle
+the host's time: the maximum of the last few schedule + launch times of steps of the class the next step will
+likely be (`next_step_key`: a decode of the running requests unless a prompt waits or is mid-prefill; an
+eager mixed step's launch takes several times a graph replay's, so one pooled maximum would leave a decode
+step's schedule point almost where it was); the margin: 0.5 ms + the longest idle
 gap (at most 5 ms) the device had before any of the last 64 steps queued behind a running one (a late
 wake-up, e.g. the loop's thread waiting for the GIL, shows there and moves later schedule points earlier).
 Minimum and maximum err early: a wrong guess costs the waiting request a step, as before, not the running
@@ -38,6 +41,19 @@ def _bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def host_key(key: ShapeKey) -> ShapeKey:
+    """The class a step's host time is kept under: decode steps by batch bucket, every mixed step in one."""
+    return ("mixed", 0) if key[0] == "mixed" else key
+
+
+def next_step_key(scheduler) -> ShapeKey:
+    """The host-time class of the step the scheduler would build next if nothing arrived: a decode of the
+    running requests, or a mixed step while a prompt waits or a running request has prompt tokens left."""
+    if scheduler.waiting or any(r.num_tokens + r.num_inflight - r.num_computed_tokens > 1 for r in scheduler.running):
+        return "mixed", 0
+    return "decode", _bucket(len(scheduler.running))
+
+
 class StepPacer:
     """Expected device time per shape class and the host's launch time, from the steps the loop ran."""
 
@@ -45,7 +61,7 @@ class StepPacer:
         self.margin_s = margin_s
         self.history = history
         self._device: dict[ShapeKey, deque[float]] = {}
-        self._host: deque[float] = deque(maxlen=2 * history)
+        self._host: dict[ShapeKey, deque[float]] = {}
         self._gaps: deque[float] = deque(maxlen=8 * history)
         self.paced = 0              # schedule points the loop waited for
         self.joined = 0             # ... of them cut short by an arriving request
@@ -57,20 +73,23 @@ class StepPacer:
         if gap_s is not None:
             self._gaps.append(min(gap_s, 5e-3))          # one stall (a GC pause) must not switch pacing off
 
-    def observe_host(self, seconds: float) -> None:
-        """The host's time from the schedule point to the step's launch (admission, schedule, launch)."""
-        self._host.append(seconds)
+    def observe_host(self, key: ShapeKey, seconds: float) -> None:
+        """The host's time from the schedule point to the launch (admission, schedule, launch) of a step of
+        shape `key`."""
+        self._host.setdefault(host_key(key), deque(maxlen=2 * self.history)).append(seconds)
 
-    def deadline(self, started_at: float | None, key: ShapeKey | None) -> float | None:
-        """The latest time (the `started_at` clock) at which scheduling the next step still queues it before
-        the running step of shape `key`, started on the device at `started_at`, ends; None: schedule now."""
+    def deadline(self, started_at: float | None, key: ShapeKey | None, next_key: ShapeKey) -> float | None:
+        """The latest time (the `started_at` clock) at which scheduling the next step (likely of class
+        `next_key`) still queues it before the running step of shape `key`, started on the device at
+        `started_at`, ends; None: schedule now."""
         if started_at is None or key is None:
             return None
         dev = self._device.get(key)
-        if not dev or not self._host:
+        host = self._host.get(host_key(next_key)) or [t for d in self._host.values() for t in d]
+        if not dev or not host:
             return None
-        return started_at + min(dev) - max(self._host) - self.margin_s - max(self._gaps, default=0.0)
+        return started_at + min(dev) - max(host) - self.margin_s - max(self._gaps, default=0.0)
 
     def stats(self) -> dict:
         return {"paced": self.paced, "joined": self.joined,
-                "host_ms": max(self._host) * 1e3 if self._host else None}
+                "host_ms": {f"{k[0]}:{k[1]}": max(d) * 1e3 for k, d in self._host.items()}}

@@ -23,7 +23,7 @@ from glm_ray import envs
 from glm_ray.engine.engine_core import EngineCore, summarize_steps
 from glm_ray.engine.errors import StepTimeoutError
 from glm_ray.engine.outputs import TokenDelta
-from glm_ray.engine.pacing import StepPacer
+from glm_ray.engine.pacing import StepPacer, next_step_key
 from glm_ray.engine.sampling_params import SamplingParams
 from glm_ray.engine.stats_log import StatsLogger
 from glm_ray.engine.tokenizer import load_tokenizer
@@ -238,7 +238,9 @@ class EngineHost(RankActor):
                 deltas = self.engine.step()
                 self._step_started = None
                 if pacer is not None:
-                    pacer.observe_host(apply_s + self.engine.last_launch_s)
+                    launched = self.engine.inflight_shape
+                    if launched is not None:
+                        pacer.observe_host(launched, apply_s + self.engine.last_launch_s)
                     if self.engine.num_steps > n0:             # the step collected now was launched last time:
                         s, w = self.engine.last_stats, self.engine.last_stats.worker_timings
                         # its gap counts if it was queued behind a running step (not after an idle engine)
@@ -260,7 +262,8 @@ class EngineHost(RankActor):
     def _pace(self, pacer: StepPacer) -> None:
         """Late scheduling: before scheduling the next step, wait while the running one has time left
         (`StepPacer.deadline`) unless a request is waiting to be added; an add or abort ends the wait."""
-        deadline = pacer.deadline(self.engine.inflight_started, self.engine.inflight_shape)
+        deadline = pacer.deadline(self.engine.inflight_started, self.engine.inflight_shape,
+                                  next_step_key(self.engine.scheduler))
         if deadline is None or self.admission.has_adds():
             return
         left = deadline - time.perf_counter()

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from glm_ray import LLM, SamplingParams
-from glm_ray.engine.pacing import StepPacer, shape_key
+from glm_ray.engine.pacing import StepPacer, next_step_key, shape_key
 from glm_ray.engine.stats_log import StatsLogger
 from glm_ray.serve.engine_host import Admission, EngineHost
 
@@ -39,27 +39,42 @@ def test_shape_keys():
 
 def test_deadline_errs_early():
     p = StepPacer(margin_s=0.001, history=3)
-    key = ("decode", 8)
-    assert p.deadline(10.0, key) is None                                 # no history: schedule now
+    key, nxt = ("decode", 8), ("decode", 8)
+    assert p.deadline(10.0, key, nxt) is None                            # no history: schedule now
     p.observe_device(key, 0.020)
-    assert p.deadline(10.0, key) is None                                 # no host time yet
-    p.observe_host(0.002)
-    assert p.deadline(10.0, key) == pytest.approx(10.0 + 0.020 - 0.002 - 0.001)
+    assert p.deadline(10.0, key, nxt) is None                            # no host time yet
+    p.observe_host(key, 0.002)
+    assert p.deadline(10.0, key, nxt) == pytest.approx(10.0 + 0.020 - 0.002 - 0.001)
     for d in (0.018, 0.025, 0.030):                                      # the window keeps the last 3
         p.observe_device(key, d)
-    p.observe_host(0.004)
-    assert p.deadline(10.0, key) == pytest.approx(10.0 + 0.018 - 0.004 - 0.001)   # least device, most host
+    p.observe_host(key, 0.004)
+    assert p.deadline(10.0, key, nxt) == pytest.approx(10.0 + 0.018 - 0.004 - 0.001)   # least device, most host
     p.observe_device(key, 0.040)                                         # 0.018 leaves the window
-    assert p.deadline(10.0, key) == pytest.approx(10.0 + 0.025 - 0.004 - 0.001)
-    assert p.deadline(10.0, ("decode", 16)) is None                      # another shape: no history
-    assert p.deadline(None, key) is None                                 # nothing in flight
+    assert p.deadline(10.0, key, nxt) == pytest.approx(10.0 + 0.025 - 0.004 - 0.001)
+    assert p.deadline(10.0, ("decode", 16), nxt) is None                 # another shape running: no history
+    assert p.deadline(None, key, nxt) is None                            # nothing in flight
     p.observe_device(key, None)                                          # unmeasured steps are ignored
-    assert p.deadline(10.0, key) == pytest.approx(10.0 + 0.025 - 0.004 - 0.001)
+    assert p.deadline(10.0, key, nxt) == pytest.approx(10.0 + 0.025 - 0.004 - 0.001)
+    # host times by the next step's class: an eager mixed step's launch does not delay a decode's schedule point
+    p.observe_host(("mixed", 256), 0.012)
+    assert p.deadline(10.0, key, nxt) == pytest.approx(10.0 + 0.025 - 0.004 - 0.001)
+    assert p.deadline(10.0, key, ("mixed", 0)) == pytest.approx(10.0 + 0.025 - 0.012 - 0.001)
+    assert p.deadline(10.0, key, ("decode", 32)) == pytest.approx(10.0 + 0.025 - 0.012 - 0.001)   # unseen: the most
     p.observe_device(key, None, gap_s=0.002)                             # the device idled 2 ms: wake earlier
     p.observe_device(key, None, gap_s=0.0)
-    assert p.deadline(10.0, key) == pytest.approx(10.0 + 0.025 - 0.004 - 0.001 - 0.002)
+    assert p.deadline(10.0, key, nxt) == pytest.approx(10.0 + 0.025 - 0.004 - 0.001 - 0.002)
     p.observe_device(key, None, gap_s=3.0)                               # one long stall counts as 5 ms
-    assert p.deadline(10.0, key) == pytest.approx(10.0 + 0.025 - 0.004 - 0.001 - 0.005)
+    assert p.deadline(10.0, key, nxt) == pytest.approx(10.0 + 0.025 - 0.004 - 0.001 - 0.005)
+
+
+def test_next_step_key():
+    def req(num_tokens, computed, inflight=0):
+        return SimpleNamespace(num_tokens=num_tokens, num_computed_tokens=computed, num_inflight=inflight)
+    decoding = [req(30, 30, 1), req(12, 11), req(40, 40, 1)]            # next token in flight / known
+    assert next_step_key(SimpleNamespace(waiting=[], running=decoding)) == ("decode", 4)
+    assert next_step_key(SimpleNamespace(waiting=[req(9, 0)], running=decoding)) == ("mixed", 0)
+    mid_prefill = decoding + [req(3000, 2048)]                           # a chunked prompt's second chunk
+    assert next_step_key(SimpleNamespace(waiting=[], running=mid_prefill)) == ("mixed", 0)
 
 
 class _SimDevice:
