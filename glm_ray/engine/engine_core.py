@@ -192,16 +192,20 @@ class EngineCore:
             raise EngineOverloadedError("the engine queue is full; retry later", retry_after_s=1.0)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, *, max_tokens: int | None = None) -> Request:
+                    prompt: str | None = None, *, max_tokens: int | None = None,
+                    arrival_time: float | None = None) -> Request:
         """Queue a request. `max_tokens` is what `validate_request` returned for it; a caller that
         validated already (the Router, synchronously, so bad input fails fast) passes it, else this
-        validates."""
+        validates. `arrival_time` (time.monotonic()): when the request reached the engine's process, if
+        it waited there for the loop to add it (`serve.engine_host.Admission`); default now."""
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         if max_tokens is None:
             max_tokens = self.validate_request(prompt_token_ids, params)
         self.check_capacity()
         req = Request(request_id, list(prompt_token_ids), params, max_tokens=max_tokens, prompt=prompt)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
         self.requests[request_id] = req
         self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
                                                          params.include_stop_str_in_output, params.skip_special_tokens)

@@ -85,17 +85,20 @@ def engine_stats(engine: EngineCore, orchestration: str) -> dict:
 class Admission:
     """Adds and aborts queued from any thread, applied to the engine between steps. Calls into a
     threaded actor are not ordered, so an abort may arrive before its add: it is remembered (a minute)
-    and the add is dropped."""
+    and the add is dropped. A request's engine arrival time is when its add came here, so the wait for
+    the loop's next scheduling point counts as the engine's queue time (the TTFT split's "queued"), not
+    as the hop to the engine ("add")."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._adds: list[tuple[str, list[int], SamplingParams, int]] = []
+        self._adds: list[tuple[str, list[int], SamplingParams, int, float]] = []
         self._aborts: list[str] = []
         self.orphans: dict[str, float] = {}                # early aborts -> when they came
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
+        t = time.monotonic()
         with self._lock:
-            self._adds.append((request_id, prompt_token_ids, params, max_tokens))
+            self._adds.append((request_id, prompt_token_ids, params, max_tokens, t))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -120,12 +123,12 @@ class Admission:
         orphans = self.orphans = {r: t for r, t in self.orphans.items() if now - t < 60}
         early = set(aborts)
         rejected: dict[str, BaseException] = {}
-        for rid, ids, params, max_tokens in adds:
+        for rid, ids, params, max_tokens, t in adds:
             if rid in early or orphans.pop(rid, None) is not None:
                 early.discard(rid)
                 continue
             try:
-                engine.add_request(rid, ids, params, max_tokens=max_tokens)
+                engine.add_request(rid, ids, params, max_tokens=max_tokens, arrival_time=t)
             except Exception as e:  # noqa: BLE001 - it ends this request's stream, with its own status
                 rejected[rid] = e
         for rid in aborts:

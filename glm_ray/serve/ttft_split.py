@@ -15,9 +15,10 @@ Router's generate() entry -> first delta there. The ingress adds its own and log
     ingress  ingress <-> Router: Serve's routing of the call + the first item's way back
     router   Router <-> engine: the add reaching the engine's loop + the step's output reaching the Router;
              when the engine runs on the Router's host (one monotonic clock) the two legs apart: "add" (the
-             Router's generate() entry -> the engine's arrival, incl. the wait for the loop's next iteration)
-             and "out" (the first token -> the Router holding its step output)
-    engine   the engine's arrival -> first token (queued: -> first scheduled)
+             Router's generate() entry -> the add reaching the engine's process) and "out" (the first token
+             -> the Router holding its step output)
+    engine   the engine's arrival (its add in the engine's process) -> first token (queued: -> first
+             scheduled, incl. the wait for the loop's next scheduling point)
     total    the ingress handler's start -> the first delta at the ingress (= the sum of the four)
 
 plus the ingress's event-loop lag over the window (`LoopLag`: how late a 20 ms timer fires, p50 / max): a busy

@@ -11,9 +11,11 @@ from glm_ray.serve.engine_host import Admission, EngineHost
 class _FakeEngine:
     def __init__(self):
         self.running: set[str] = set()
+        self.arrivals: dict[str, float] = {}
 
-    def add_request(self, rid, ids, params, max_tokens=None):
+    def add_request(self, rid, ids, params, max_tokens=None, arrival_time=None):
         self.running.add(rid)
+        self.arrivals[rid] = arrival_time
 
     def abort(self, rid) -> bool:
         if rid in self.running:
@@ -48,6 +50,18 @@ def test_abort_and_add_in_one_batch_and_after_running():
     h.abort("c")
     h.admission.apply(h.engine)
     assert h.engine.running == set() and not h.admission.orphans
+
+
+def test_arrival_is_when_the_add_came_not_when_the_loop_applied_it():
+    """The wait for the loop's next scheduling point is the engine's queue time, not the hop to it."""
+    import time
+    h = _host()
+    t0 = time.monotonic()
+    h.add("a", [1], None, 4)
+    t1 = time.monotonic()
+    time.sleep(0.05)                                      # the loop is busy with a step
+    h.admission.apply(h.engine)
+    assert t0 <= h.engine.arrivals["a"] <= t1
 
 
 def test_a_step_past_the_timeout_fails_health(monkeypatch):
