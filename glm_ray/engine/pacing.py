@@ -65,6 +65,7 @@ class StepPacer:
         self._gaps: deque[float] = deque(maxlen=8 * history)
         self.paced = 0              # schedule points the loop waited for
         self.joined = 0             # ... of them cut short by an arriving request
+        self.waited_s = 0.0         # time spent waiting for them
 
     def observe_device(self, key: ShapeKey, device_s: float | None, gap_s: float | None = None) -> None:
         """A finished step's device time and the device's idle gap before it (None: not measured)."""
@@ -91,5 +92,5 @@ class StepPacer:
         return started_at + min(dev) - max(host) - self.margin_s - max(self._gaps, default=0.0)
 
     def stats(self) -> dict:
-        return {"paced": self.paced, "joined": self.joined,
+        return {"paced": self.paced, "joined": self.joined, "waited_s": self.waited_s,
                 "host_ms": {f"{k[0]}:{k[1]}": max(d) * 1e3 for k, d in self._host.items()}}

@@ -50,7 +50,7 @@ class StatsLogger:
         self._itl: list[float] = []                     # the window's per-token gaps (s)
         self._prefix = (engine.kv.prefix_queries, engine.kv.prefix_hits)
         self.pacer = None                               # the served loop's StepPacer (late scheduling), if on
-        self._paced = (0, 0)
+        self._paced = (0, 0, 0.0)
 
     def on_step(self, deltas: list[TokenDelta]) -> None:
         self._generated += sum(len(d.new_token_ids) for d in deltas)
@@ -84,7 +84,7 @@ class StatsLogger:
         self._last_emit = {r: t for r, t in self._last_emit.items() if r in self.engine.requests}
         self._prefix = (self.engine.kv.prefix_queries, self.engine.kv.prefix_hits)
         if self.pacer is not None:
-            self._paced = (self.pacer.paced, self.pacer.joined)
+            self._paced = (self.pacer.paced, self.pacer.joined, self.pacer.waited_s)
         return line
 
     def line(self, steps: list[StepStats], window_s: float) -> str:
@@ -119,7 +119,9 @@ class StatsLogger:
                          + (f", gap {1e3 * statistics.median(gap):.2f} ms (mean {1e3 * statistics.fmean(gap):.2f})"
                             if gap else ""))
         if self.pacer is not None:
-            parts.append(f"late scheduling: {self.pacer.paced - self._paced[0]} waits, "
+            waits = self.pacer.paced - self._paced[0]
+            mean = 1e3 * (self.pacer.waited_s - self._paced[2]) / waits if waits else 0.0
+            parts.append(f"late scheduling: {waits} waits of {mean:.1f} ms mean, "
                          f"{self.pacer.joined - self._paced[1]} ended by an arrival")
         return " | ".join(parts)
 

@@ -273,8 +273,10 @@ class EngineHost(RankActor):
         if left <= 0:
             return
         pacer.paced += 1
+        t0 = time.perf_counter()
         if self._wake.wait(timeout=left):
             pacer.joined += self.admission.has_adds()
+        pacer.waited_s += time.perf_counter() - t0
 
 
 EngineHostActor = ray.remote(EngineHost)

@@ -153,7 +153,10 @@ def _serve(tiny_dir, pacer: StepPacer | None):
     gaps = [s1 - e0 for (_, e0), (s1, _) in zip(a_steps, a_steps[1:])]
     if pacer is not None:                                                # the stats line counts the waits
         line = h.stats_log.line(list(eng.step_history), 1.0)
-        assert f"late scheduling: {pacer.paced} waits, {pacer.joined} ended by an arrival" in line, line
+        mean = 1e3 * pacer.waited_s / pacer.paced
+        want = f"late scheduling: {pacer.paced} waits of {mean:.1f} ms mean, {pacer.joined} ended by an arrival"
+        assert want in line, line
+        assert 0.03 < pacer.waited_s / pacer.paced < STEP_S, "each wait is a good part of a simulated step"
     return lag, outs, gaps, llm
 
 
