@@ -237,7 +237,8 @@ class EngineHost(RankActor):
                         self._wake.wait(timeout=_IDLE_TICK_S)
                     continue
                 self._step_started = time.monotonic()
-                n0, behind = self.engine.num_steps, self.engine.inflight_started is not None
+                if pacer is not None:
+                    n0, behind = self.engine.num_steps, self.engine.inflight_started is not None
                 deltas = self.engine.step()
                 self._step_started = None
                 if pacer is not None:

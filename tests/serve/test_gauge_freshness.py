@@ -33,7 +33,7 @@ class _Engine:
         self.executor = SimpleNamespace(shutdown=lambda: None)
         self.step_history: deque = deque(maxlen=2048)
 
-    def add_request(self, rid, ids, params, max_tokens=None):
+    def add_request(self, rid, ids, params, max_tokens=None, arrival_time=None):
         self.scheduler.running.append(rid)
 
     def abort(self, rid) -> bool:
