@@ -160,12 +160,20 @@ KERNEL_WARMUP: EnvVar[str] = EnvVar(
     "GLM_RAY_KERNEL_WARMUP", _choice("auto", "on", "off"), "auto", "start-up: each rank runs up to five eager "
     "steps shaped like prefill / chunked prefill / a mixed step past index_topk / mid-size prompts so "
     "their kernels compile before the first request (worker/warmup.py); auto = on a GPU only", "auto|on|off")
-LATE_SCHEDULING: EnvVar[bool] = EnvVar(
-    "GLM_RAY_LATE_SCHEDULING", _bool, False, "serving on a GPU with async scheduling: schedule each step at the latest "
+def _late(raw: str) -> str:
+    v = raw.lower()
+    if v == "alternate":
+        return v
+    return "on" if _bool(v) else "off"
+
+
+LATE_SCHEDULING: EnvVar[str] = EnvVar(
+    "GLM_RAY_LATE_SCHEDULING", _late, "off", "serving on a GPU with async scheduling: schedule each step at the latest "
     "point that still queues it before the running step ends (that step's start + the least recent device time of "
-    "its shape - the host's launch time - 0.5 ms) or when a request arrives, instead of at the running step's start: "
+    "its shape - the host's launch time - margins) or when a request arrives, instead of at the running step's start: "
     "a request arriving during step N joins N+1, not N+2 (engine/pacing.py). Off: vLLM's and sglang's schedule "
-    "point", "bool")
+    "point. `alternate` (measurement): on and off in turns, one engine stats window each (GLM_RAY_LOG_STATS_INTERVAL_S), "
+    "each line saying which: the A/B inside one server lifetime. Session 40 (H100s): no measured gain", "off|on|alternate")
 STEP_TIMEOUT_S: EnvVar[float] = EnvVar(
     "GLM_RAY_STEP_TIMEOUT_S", _positive_float, 600.0, "serving: an engine step running longer than this "
     "fails the engine (its streams end with a 503, health fails, Serve replaces the replica): a rank "

@@ -11,7 +11,9 @@
 # throughput-optimized mode instead (direct ingress + gRPC between deployments + ...; also on port 30000).
 # CS="16 64": several concurrencies, each a run of its own (fresh prefixes) in every lifetime and port.
 # MODES: lifetimes in order; "on" / "off" = the prefix cache; a "-late" suffix ("on-late") also sets
-#   GLM_RAY_LATE_SCHEDULING=1 (engine/pacing.py), so MODES="on on-late on-late on" A/Bs it over interleaved lifetimes.
+#   GLM_RAY_LATE_SCHEDULING=1 (engine/pacing.py), so MODES="on on-late on-late on" A/Bs it over interleaved lifetimes;
+#   "-alt" sets it to `alternate`: on and off in turns per engine stats window inside one lifetime (set
+#   GLM_RAY_LOG_STATS_INTERVAL_S), and the end of the output compares the two kinds of window.
 # PACK=1: at the end, every file but the table's inputs moves into $OUT/runs.tgz (a device call returns 8 files).
 #   bash scripts/direct_ingress_ab.sh        (results under ${OUT:-results/direct-ingress})
 set -uo pipefail
@@ -21,8 +23,8 @@ GSP=${GSP:---gsp-num-groups 8 --gsp-prompts-per-group 8 --gsp-system-prompt-len 
 T0=$(date +%s); seen=" "
 for m in ${MODES:-on off}; do
   mode=$m; n=2; while [[ "$seen" == *" $mode "* ]]; do mode=$m.$n; n=$((n + 1)); done; seen="$seen$mode "   # on, on.2, ...
-  m=${m%-late}; flag=""; [ $m = off ] && flag=--no-enable-prefix-caching
-  late=0; [[ "$mode" == *-late* ]] && late=1
+  m=${m%-late}; m=${m%-alt}; flag=""; [ $m = off ] && flag=--no-enable-prefix-caching
+  late=0; [[ "$mode" == *-late* ]] && late=1; [[ "$mode" == *-alt* ]] && late=alternate
   env ${DI_ENV:-RAY_SERVE_ENABLE_DIRECT_INGRESS=1} GLM_RAY_LATE_SCHEDULING=$late $GLMRAY serve $MODEL $EXTRA $flag --port $PORT --metrics-port $((PORT + 1)) \
     > $OUT/serve_$mode.log 2>&1 &
   server=$!
@@ -46,7 +48,7 @@ for m in ${MODES:-on off}; do
   kill $server; wait $server 2>/dev/null; ray stop --force > /dev/null 2>&1; sleep 2
 done
 python3 - "$OUT" $DI <<'PY'
-import glob, json, os, sys
+import glob, json, os, re, statistics, sys
 out, direct = sys.argv[1], sys.argv[2]
 rows = {}
 for f in sorted(glob.glob(f"{out}/gsp_*_*_c*.jsonl")):
@@ -62,6 +64,19 @@ for port, c in sorted({(p, c) for _, p, c in rows}):
     if on and off:
         print(f"port {port}, C={c}: mean TTFT off/on {off['mean_ttft_ms'] / on['mean_ttft_ms']:.2f}, "
               f"median off/on {off['median_ttft_ms'] / on['median_ttft_ms']:.2f}")
+for f in sorted(glob.glob(f"{out}/stats_lines_*-alt*.txt")):   # the in-lifetime A/B: windows by mode
+    by = {}
+    for line in open(f):
+        m = re.search(r"late scheduling (on|off):", line)
+        t = re.search(r"TTFT in the engine ([0-9.]+) ms median", line)
+        i = re.search(r"ITL in the engine ([0-9.]+) ms mean", line)
+        g = re.search(r"gap [0-9.]+ ms \(mean ([0-9.]+)\)", line)
+        if m and t and i:
+            by.setdefault(m.group(1), []).append((float(t.group(1)), float(i.group(1)), float(g.group(1)) if g else 0.0))
+    for k, win in sorted(by.items()):
+        med = [statistics.median(w[j] for w in win) for j in range(3)]
+        print(f"{os.path.basename(f)}: late scheduling {k}: {len(win)} windows, median of the windows' TTFT in the "
+              f"engine {med[0]:.1f} ms, ITL in the engine {med[1]:.2f} ms, device gap mean {med[2]:.2f} ms")
 PY
 for mode in $(echo $seen); do echo "-- the ingress's TTFT split, $mode"; tail -6 $OUT/ttft_split_$mode.txt; done
 if [ "${PACK:-0}" = 1 ]; then

@@ -66,6 +66,8 @@ class StepPacer:
         self.paced = 0              # schedule points the loop waited for
         self.joined = 0             # ... of them cut short by an arriving request
         self.waited_s = 0.0         # time spent waiting for them
+        self.active = True          # off: the loop schedules at once (still learning the times)
+        self.alternate = False      # measurement: `active` flips at every stats window (engine/stats_log.py)
 
     def observe_device(self, key: ShapeKey, device_s: float | None, gap_s: float | None = None) -> None:
         """A finished step's device time and the device's idle gap before it (None: not measured)."""

@@ -85,6 +85,8 @@ class StatsLogger:
         self._prefix = (self.engine.kv.prefix_queries, self.engine.kv.prefix_hits)
         if self.pacer is not None:
             self._paced = (self.pacer.paced, self.pacer.joined, self.pacer.waited_s)
+            if self.pacer.alternate:                    # the in-lifetime A/B: the next window the other way
+                self.pacer.active = not self.pacer.active
         return line
 
     def line(self, steps: list[StepStats], window_s: float) -> str:
@@ -121,7 +123,8 @@ class StatsLogger:
         if self.pacer is not None:
             waits = self.pacer.paced - self._paced[0]
             mean = 1e3 * (self.pacer.waited_s - self._paced[2]) / waits if waits else 0.0
-            parts.append(f"late scheduling: {waits} waits of {mean:.1f} ms mean, "
+            state = ("on" if self.pacer.active else "off") if self.pacer.alternate else ""
+            parts.append(f"late scheduling{' ' + state if state else ''}: {waits} waits of {mean:.1f} ms mean, "
                          f"{self.pacer.joined - self._paced[1]} ended by an arrival")
         return " | ".join(parts)
 

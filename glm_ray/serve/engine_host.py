@@ -152,10 +152,13 @@ class EngineHost(RankActor):
         self.admission = Admission()
         self.stats_log = StatsLogger(self.engine, envs.LOG_STATS_INTERVAL_S.get())
         on_gpu = getattr(getattr(self.worker, "device", None), "type", "cpu") == "cuda"
-        self.pacer = StepPacer() if envs.LATE_SCHEDULING.get() and self.engine.async_scheduling and on_gpu else None
+        late = envs.LATE_SCHEDULING.get()
+        self.pacer = StepPacer() if late != "off" and self.engine.async_scheduling and on_gpu else None
         if self.pacer is not None:
+            self.pacer.alternate = late == "alternate"
             self.stats_log.pacer = self.pacer
-            logger.info("late scheduling: each step is scheduled as late as the running one allows (engine/pacing.py)")
+            logger.info("late scheduling%s: each step is scheduled as late as the running one allows (engine/pacing.py)",
+                        " in alternate stats windows" if self.pacer.alternate else "")
         self._wake = threading.Event()
         self._out: queue.Queue = queue.Queue()
         self._dead: BaseException | None = None
@@ -266,6 +269,8 @@ class EngineHost(RankActor):
     def _pace(self, pacer: StepPacer) -> None:
         """Late scheduling: before scheduling the next step, wait while the running one has time left
         (`StepPacer.deadline`) unless a request is waiting to be added; an add or abort ends the wait."""
+        if not pacer.active:
+            return
         deadline = pacer.deadline(self.engine.inflight_started, self.engine.inflight_shape,
                                   next_step_key(self.engine.scheduler))
         if deadline is None or self.admission.has_adds():

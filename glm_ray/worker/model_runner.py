@@ -122,7 +122,7 @@ class ModelRunner:
         self.faults = FaultInjector.from_env()                                 # None outside reliability tests
         # device marks: measurement (GLM_RAY_STEP_TIMELINE), and the served loop's pacer on a GPU
         # (GLM_RAY_LATE_SCHEDULING: each step's device time, engine/pacing.py)
-        marks = envs.STEP_TIMELINE.get() or (envs.LATE_SCHEDULING.get() and device.type == "cuda")
+        marks = envs.STEP_TIMELINE.get() or (envs.LATE_SCHEDULING.get() != "off" and device.type == "cuda")
         self.timeline = StepTimeline(device) if marks else None
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB per rank)", num_blocks, self.block_size,
                     num_blocks * self.block_size * kv_bytes_per_token(model_cfg, model_cfg.dtype) / 2**20)

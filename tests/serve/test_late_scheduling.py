@@ -173,3 +173,42 @@ def test_a_request_arriving_mid_step_joins_the_next_step(tiny_dir):
     ref = llm.generate([{"prompt_token_ids": list(range(10, 30))}, {"prompt_token_ids": list(range(40, 57))}],
                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     assert outs["A"] == ref[0].outputs[0].token_ids and outs["B"] == ref[1].outputs[0].token_ids
+
+
+def test_alternate_flips_the_pacer_each_stats_window(tiny_dir, monkeypatch):
+    """GLM_RAY_LATE_SCHEDULING=alternate: the A/B inside one lifetime, a stats window each way, each line naming its
+    mode; an inactive pacer leaves the schedule point where it was."""
+    from glm_ray import envs
+    for raw, want in (("1", "on"), ("true", "on"), ("0", "off"), ("alternate", "alternate"), ("ALTERNATE", "alternate")):
+        monkeypatch.setenv("GLM_RAY_LATE_SCHEDULING", raw)
+        assert envs.LATE_SCHEDULING.get() == want
+    llm = LLM(tiny_dir, dtype="float32")
+    eng = llm.engine
+    t = [0.0]
+    log = StatsLogger(eng, interval_s=1.0, clock=lambda: t[0])
+    pacer = StepPacer()
+    pacer.alternate = True
+    log.pacer = pacer
+    modes = []
+    for w in range(4):
+        eng.add_request(f"r{w}", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        while eng.has_unfinished():
+            log.on_step(eng.step())
+        t[0] += 1.5
+        modes.append(log.maybe_log().split("late scheduling ")[1].split(":")[0])
+    assert modes == ["on", "off", "on", "off"]
+    h = EngineHost.__new__(EngineHost)
+    h.engine, h.admission, h._wake = eng, Admission(), threading.Event()
+    pacer.observe_device(("decode", 1), 10.0)                            # a running step with 10 s left
+    pacer.observe_host(("decode", 1), 0.001)
+    eng.inflight_started, eng._inflight = time.perf_counter(), (_sched(1), None)
+    pacer.active = True
+    threading.Timer(0.2, h._wake.set).start()                            # an add's wake-up ends the wait
+    t0 = time.perf_counter()
+    h._pace(pacer)
+    assert 0.15 < time.perf_counter() - t0 < 5 and pacer.paced == 1
+    pacer.active = False                                                 # the other half of the A/B: no wait
+    t0 = time.perf_counter()
+    h._pace(pacer)
+    assert time.perf_counter() - t0 < 0.05 and pacer.paced == 1
+    eng._inflight = None
