@@ -12,7 +12,9 @@ from typing import Callable
 @dataclass(frozen=True)
 class KernelOps:
     name: str
-    # y[T, N] = dequant(x)[T, K] @ dequant(w)[N, K].T ; w e4m3 [N, K], w_scale_inv fp32 [ceil(N/bn), ceil(K/bk)]
+    # y[T, N] = dequant(x)[T, K] @ dequant(w)[N, K].T ; w e4m3 [N, K], w_scale_inv fp32 [ceil(N/bn), ceil(K/bk)];
+    # `out=` a contiguous [T, N] destination of the output dtype, written and returned (directly where the GEMM
+    # takes an output buffer, else copied)
     block_fp8_linear: Callable
     # routed experts; x [T, D], w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I], topk_* [T, K] -> [T, D]
     fused_moe: Callable
@@ -53,7 +55,9 @@ class KernelOps:
     #
     # MLA naive (expanded) form, prefill groups: (q [T, h, dn+dr] nope|roped, kv_cache [S, r+dr] latent
     # rows [c | k_pe], group, selection, kv_b: latents [N, r] -> [N, h*(dn+dv)] (the layer's kv_b_proj,
-    # any quant method), *, kv_lora_rank r, v_head_dim dv, scale, max_bytes) -> o [Tg, h, dv]
+    # any quant method), *, kv_lora_rank r, v_head_dim dv, scale, max_bytes, out=None) -> o [Tg, h, dv]; `out`: a
+    # [Tg, h, dv] destination of q.dtype with unit last stride (the group's rows of the step's attention output)
+    # that the op writes and returns (a kernel writes it directly: no copy after)
     mla_prefill: Callable | None = None
     # MLA absorbed form (latent MQA, one KV head = the cache row, value = its first r dims), decode
     # groups (any group when mla_mode forces it, so Qmax may exceed 1): (q [T, h, r+dr] W_UK-absorbed |

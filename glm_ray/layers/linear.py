@@ -45,8 +45,9 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, ckpt: CheckpointTensor, shard_id=None) -> None:
         load_sharded(param, ckpt, shard_dim=self._shard_dim(param), rank=tp_rank(), tp=self.tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] -> [T, out]; written into `out` [T, out] when given (`LinearMethod.apply_into`)."""
+        return self.quant_method.apply(self, x) if out is None else self.quant_method.apply_into(self, x, out)
 
 
 class ReplicatedLinear(LinearBase):

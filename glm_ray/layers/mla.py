@@ -140,12 +140,12 @@ class MLAAttention(nn.Module):
                 iq = self.indexer.queries(x, q_resid, rope, out.get("iq"), out.get("iw"))   # [T, Hi, di], [T, Hi]
                 sels = tuple(self.indexer.select(g, iq, index_cache) if g.max_context_len > self.indexer.topk
                              else None for g in batch.groups)
-        q = self.q_b_proj(q_resid) if self.rq else self.q_proj(x)
+        # the projection writes the static carry's buffer itself (no [T, h, dn+dr] copy after it)
+        q_dst = out["q"].view(T, -1) if "q" in out else None                   # [T, h*(dn+dr)]
+        q = self.q_b_proj(q_resid, q_dst) if self.rq else self.q_proj(x, q_dst)
         q = q.view(T, self.h, self.dn + self.dr)                                # [T, h, dn+dr]
         if self.dr:                                                             # rope of q_pe, in place
             kernels.ops().rope_inplace(q, rope.cos, rope.sin, self.interleave, self.dn)
-        if "q" in out:
-            q = out["q"].copy_(q)
         if self.indexer is not None and index_queries and not early:
             iq = self.indexer.queries(x, q_resid, rope, out.get("iq"), out.get("iw"))   # [T, Hi, di], [T, Hi]
         if side is not None:
@@ -186,11 +186,15 @@ class MLAAttention(nn.Module):
                 sel = prev_mask[gi]
             selections.append(sel)
             attend = self._naive if g.mla_mode == "naive" else self._absorbed
-            og = attend(q, kv_cache, sel, g)                                    # [Tg, h, dv]
+            # a group owning a span of the step's rows writes its rows of `o` (a piecewise graph's static carry)
+            # itself: no copy of [Tg, h, dv] after each attention (128 MiB a layer at 8k glm5-flash-31b tokens)
+            dst = o[g.row_span[0]:g.row_span[1]] if o is not None and g.row_span is not None else None
+            og = attend(q, kv_cache, sel, g, dst)                               # [Tg, h, dv]
             if o is None:                                                       # the whole step: no copy
                 o = og
-            elif g.row_span is not None:
-                o[g.row_span[0]:g.row_span[1]] = og
+            elif dst is not None:
+                if og.data_ptr() != dst.data_ptr():                             # (an op that returned its own)
+                    dst.copy_(og)
             else:
                 o.index_copy_(0, g.token_index, og)
         return o, (tuple(selections) if self.uses_dsa else None)
@@ -204,16 +208,17 @@ class MLAAttention(nn.Module):
         o, selections = self.attend(query, batch, kv_cache, index_cache, prev_mask)
         return self.o_proj(o.reshape(x.shape[0], self.h * self.dv)), selections
 
-    def _naive(self, q, kv_cache, selection, group: AttnGroup):
+    def _naive(self, q, kv_cache, selection, group: AttnGroup, out=None):
         """Expand the context latents to per-head K/V with kv_b_proj and run MHA (prefill): the
-        `mla_prefill` kernel op."""
+        `mla_prefill` kernel op, writing `out` [Tg, h, dv] when given."""
         return kernels.ops().mla_prefill(q, kv_cache, group, selection, self.kv_b_proj,
                                          kv_lora_rank=self.r, v_head_dim=self.dv, scale=self.scale,
-                                         max_bytes=_ATTN_BYTES)                 # [Tg, h, dv]
+                                         max_bytes=_ATTN_BYTES, out=out)        # [Tg, h, dv]
 
-    def _absorbed(self, q, kv_cache, selection, group: AttnGroup):
+    def _absorbed(self, q, kv_cache, selection, group: AttnGroup, out=None):
         """Fold W_UK into the query, attend in latent space against the one shared latent KV head
-        (MQA: the `mla_decode` kernel op), unfold W_UV from the output (decode)."""
+        (MQA: the `mla_decode` kernel op), unfold W_UV from the output (decode) into `out` [Tg, h, dv] when
+        given."""
         q_abs = q.new_empty(q.shape[0], self.h, self.r + self.dr)               # [T, h, r+dr]
         # a decode group beside a prefill chunk owns a span of the step's rows: fold only those (the op reads
         # only the group's rows; a 2048-token chunk's rows would cost a [h, 2k, dn] x [h, dn, r] bmm per layer)
@@ -225,6 +230,6 @@ class MLAAttention(nn.Module):
         q_abs[a:b, :, self.r:] = q_pe
         o_lat = kernels.ops().mla_decode(q_abs, kv_cache, group, selection,
                                          kv_lora_rank=self.r, scale=self.scale, max_bytes=_ATTN_BYTES)   # [Tg, h, r]
-        o = o_lat.new_empty(o_lat.shape[0], self.h, self.dv)                    # [Tg, h, dv] contiguous: o_proj
+        o = out if out is not None else o_lat.new_empty(o_lat.shape[0], self.h, self.dv)   # [Tg, h, dv]: o_proj
         torch.bmm(o_lat.transpose(0, 1), self.w_vc.to(o_lat.dtype), out=o.transpose(0, 1))   # reads it as a view
         return o

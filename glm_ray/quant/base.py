@@ -32,6 +32,12 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...   # [T, in] -> [T, out]
 
+    def apply_into(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`apply` written into `out` [T, out] (contiguous, the output dtype), which is returned: a destination the
+        caller keeps (a piecewise graph's static carry). This default copies; a method whose kernel takes an
+        output buffer writes it directly."""
+        return out.copy_(self.apply(layer, x))
+
 
 class MoEMethod(ABC):
     """Strategy for the routed experts of one MoE layer (per-rank intermediate shard)."""

@@ -112,6 +112,12 @@ class Fp8BlockLinearMethod(LinearMethod):
         return torch.cat([ops.block_fp8_linear(x, w, s, self.block, **kw, **meta) for w, s, meta in layer.fp8_parts],
                          dim=-1)
 
+    def apply_into(self, layer, x, out):
+        if getattr(layer, "fp8_parts", None) is not None:                   # merged shards: a GEMM per part
+            return super().apply_into(layer, x, out)
+        return owned_ops(layer).block_fp8_linear(x, layer.weight, layer.weight_scale_inv, self.block, out=out,
+                                                 act_ue8m0=self.scheme.act_ue8m0, **getattr(layer, "fp8_meta", {}))
+
     def dequantized_weight(self, layer) -> torch.Tensor:
         """The dense weight `[N, K]` in the layer's dtype (MLA absorbs kv_b_proj from it)."""
         w, s = layer.weight.data, layer.weight_scale_inv.data

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from glm_ray import kernels
 from glm_ray.kernels.torch_ref.fp8 import quant_weight_ue8m0
 from glm_ray.quant.base import LinearMethod, QuantConfig
-from glm_ray.quant.unquantized import UnquantizedLinearMethod
+from glm_ray.quant.unquantized import UnquantizedLinearMethod, linear_into
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,12 @@ class Fp8ProjGemmMethod(LinearMethod):
             return F.linear(x, layer.weight)
         return kernels.ops().block_fp8_linear(x, layer._fp8_proj_weight, layer._fp8_proj_scale, BLOCK,
                                               out_dtype=x.dtype, act_ue8m0=False, **layer._fp8_proj_meta)
+
+    def apply_into(self, layer, x, out):
+        if not self.uses_fp8(x.shape[0]):
+            return linear_into(x, layer.weight, out)
+        return kernels.ops().block_fp8_linear(x, layer._fp8_proj_weight, layer._fp8_proj_scale, BLOCK,
+                                              out_dtype=x.dtype, act_ue8m0=False, out=out, **layer._fp8_proj_meta)
 
 
 class Fp8ProjOverlay(QuantConfig):

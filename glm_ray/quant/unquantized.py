@@ -20,6 +20,15 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer, x):
         return F.linear(x, layer.weight)                                   # [T, in] -> [T, out]
 
+    def apply_into(self, layer, x, out):
+        return linear_into(x, layer.weight, out)
+
+
+def linear_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) [T, N] written into `out` (contiguous): the same GEMM, no copy after."""
+    torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out=out.view(-1, out.shape[-1]))
+    return out
+
 
 class UnquantizedMoEMethod(MoEMethod):
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size, params_dtype):

@@ -174,6 +174,24 @@ def test_block_fp8_linear_scaled_mm(ck, name, n, k, ms):
 
 
 @needs_sm90
+@pytest.mark.parametrize("m", [64, 102, 2048])
+def test_block_fp8_linear_into_out(ck, m):
+    """`out=` (a projection into the piecewise graphs' static carry): `_scaled_mm` writes a row range of a larger
+    buffer directly where no padding is needed, else the padded result is copied; both equal the op without
+    `out` bit for bit and leave the rest of the buffer alone. q_b_proj's shape (glm5-flash-31b)."""
+    n, k = 32 * 256, 768
+    _, w, s = dense_fp8_case(1, n, k, device=DEV)
+    wv, sv, meta = ck.block_fp8_linear_prepare(w, s, (128, 128))
+    x = torch.randn(m, k, device=DEV, dtype=BF16)
+    want = ck.block_fp8_linear(x, wv, sv, (128, 128), **meta)
+    store = torch.full((m + 16, n), float("nan"), device=DEV, dtype=BF16)
+    got = ck.block_fp8_linear(x, wv, sv, (128, 128), out=store[8:8 + m], **meta)
+    assert got.data_ptr() == store[8].data_ptr()
+    torch.testing.assert_close(store[8:8 + m], want, rtol=0, atol=0)
+    assert store[:8].isnan().all() and store[8 + m:].isnan().all()
+
+
+@needs_sm90
 @pytest.mark.parametrize("k", [640, 768])
 def test_scaled_mm_k_trap_regression(ck, k):
     """torch 2.11 `_scaled_mm` blockwise returns garbage, silently, when K/128 % 4 != 0. Record what the

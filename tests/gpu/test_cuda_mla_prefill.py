@@ -127,6 +127,27 @@ def test_sparse_tile_walks(skip):
 
 
 @pytest.mark.parametrize("sparse", [False, True])
+def test_writes_into_out(cuda_ops, sparse):
+    """`out=` (the group's rows of a piecewise graph's static "o" carry): the kernel writes that view directly
+    and returns it, bit for bit what it writes into its own buffer, the rest of the carry untouched; with key
+    chunks too (the online-softmax state across launches)."""
+    q, cache, w, groups = make_step(*STEPS["mixed"], 32, **GLM5, seed=9)
+    kw = dict(kv_lora_rank=R, v_head_dim=GLM5["dv"], scale=q.shape[-1] ** -0.5)
+    for mb in (1 << 30, 64 << 20):
+        for gi, grp in enumerate(groups):
+            sel = topk_selection(grp, seed=gi) if sparse else None
+            want = cuda_ops.mla_prefill(q, cache, grp, sel, lambda x: F.linear(x, w), max_bytes=mb, **kw)
+            Tg = want.shape[0]
+            store = torch.full((Tg + 6, 32, GLM5["dv"]), float("nan"), device=DEV, dtype=BF16)
+            got = cuda_ops.mla_prefill(q, cache, grp, sel, lambda x: F.linear(x, w), max_bytes=mb,
+                                       out=store[3:3 + Tg], **kw)
+            assert got.data_ptr() == store[3].data_ptr()
+            torch.testing.assert_close(store[3:3 + Tg], want, rtol=0, atol=0)
+            assert store[:3].isnan().all() and store[3 + Tg:].isnan().all()
+    assert not cuda_ops.mla_prefill.__self__.fallbacks
+
+
+@pytest.mark.parametrize("sparse", [False, True])
 def test_key_chunks(cuda_ops, sparse):
     # 64 MiB of expanded keys at h = 32: the 8k contexts take several chunks
     q, cache, w, groups = make_step(*STEPS["mixed"], 32, **GLM5, seed=7)

@@ -97,6 +97,19 @@ def test_dense_block_fp8_bpreshuffle_contract(aiter_backend, m):
                                rtol=0, atol=0)                   # kv_b absorption un-shuffles
 
 
+def test_dense_block_fp8_into_out(aiter_backend):
+    """`layer(x, out)` on the aiter backend: the same CK call (it allocates its output), copied into `out`."""
+    lin, q, s = _fp8_linear(256, 384)
+    x = torch.randn(5, 384, generator=torch.Generator().manual_seed(3)).to(BF16)
+    want = lin(x)
+    fake_aiter.CALLS.clear()
+    store = torch.full((8, 256), float("nan"), dtype=BF16)
+    assert lin(x, store[1:6]).data_ptr() == store[1].data_ptr()
+    assert len(_calls("gemm_a8w8_blockscale_bpreshuffle")) == 1
+    torch.testing.assert_close(store[1:6], want, rtol=0, atol=0)
+    assert store[0].isnan().all() and store[6:].isnan().all()
+
+
 def test_dense_shapes_aiter_cannot_run_use_the_reference(aiter_backend):
     lin, q, s = _fp8_linear(80, 256, prefix="model.layers.0.self_attn.kv_a_proj_with_mqa")   # N % 16 != 0
     assert lin.fp8_meta == {}

@@ -260,3 +260,23 @@ def test_cuda_backend_on_cpu_falls_back_with_a_reason():
         assert [op for op, _ in k.fallbacks] == ["mla_prefill"]
     finally:
         kernels.init_backend("torch")
+
+
+def test_writes_into_a_strided_out_view():
+    """`out` (a group's rows of the step's attention output, here with padded head and value strides): the kernel
+    writes it directly and returns it; the same values as its own buffer, rows around it untouched; the reference
+    copies into `out` the same way."""
+    s = make_step([9, 5, 12], [20, 5, 30], 4, seed=21)
+    g = s["groups"][0]
+    Tg, dv = g.token_index.shape[0], s["dv"]
+    kv_b = lambda x: x @ s["w"].T                                            # noqa: E731
+    kw = dict(kv_lora_rank=R, v_head_dim=dv, scale=0.1, max_bytes=BIG)
+    own = mp.mla_prefill_group(s["q"], s["kv_cache"], g, None, kv_b, config=SMALL, **kw)
+    for op, extra in ((mp.mla_prefill_group, dict(config=SMALL)), (attention.mla_prefill, {})):
+        store = torch.full((Tg + 5, H + 1, dv + 8), float("nan"))            # [rows, heads, dv] with padding
+        dst = store[2:2 + Tg, :H, :dv]                                       # row stride (H+1)(dv+8), head dv+8
+        o = op(s["q"], s["kv_cache"], g, None, kv_b, out=dst, **kw, **extra)
+        assert o.data_ptr() == dst.data_ptr() and o.shape == (Tg, H, dv)
+        assert rel_err(dst, own) <= 1e-5
+        assert store[:2].isnan().all() and store[2 + Tg:].isnan().all() and store[:, H:].isnan().all()
+        assert store[:, :, dv:].isnan().all()

@@ -54,6 +54,20 @@ def test_gate_512_bf16_513_fp8(spy):
     assert spy == [513]
 
 
+def test_both_paths_write_into_out(spy):
+    """`layer(x, out)`: the bf16 GEMM (<= 512 tokens) and the FP8 one (> 512) write `out` and equal `layer(x)`."""
+    layer = _layer()
+    spy = spy()
+    x = torch.randn(513, 384, generator=torch.Generator().manual_seed(4))
+    for rows in (512, 513):
+        want = layer(x[:rows])
+        store = torch.full((rows + 3, 256), float("nan"))
+        got = layer(x[:rows], store[1:rows + 1])
+        assert got.data_ptr() == store[1].data_ptr() and torch.equal(store[1:rows + 1], want)
+        assert store[0].isnan().all() and store[rows + 1:].isnan().all()
+    assert spy == [513, 513]
+
+
 def test_fp8_path_within_bound_of_exact_math():
     """e4m3 keeps 3 mantissa bits: |rounding| <= 2^-4 relative per element for x and w (power-of-two
     block scales add at most a factor 2 on the step). Random rounding errors average out over K=384,

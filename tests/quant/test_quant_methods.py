@@ -18,6 +18,7 @@ from glm_ray.layers.linear import ColumnParallelLinear, MergedColumnParallelLine
 from glm_ray.layers.moe import FusedMoE, MoE
 from glm_ray.model.base import _checkpoint_names
 from glm_ray.model.tiny import bundled_config
+from glm_ray.quant import Unquantized
 from glm_ray.quant.config import UnsupportedQuantSchemeError, parse_quant_config
 from glm_ray.quant.dispatch import SpecQuantConfig
 from glm_ray.quant.fp8 import Fp8BlockLinearMethod, Fp8BlockMoEMethod
@@ -180,6 +181,45 @@ def test_mxfp4_dense_linear_for_quark_shared_experts():
     with pytest.raises(UnsupportedQuantSchemeError, match=r"o_proj.*multiple of 32"):
         RowParallelLinear(96, 256, quant_config=quark_config(), prefix="model.layers.1.self_attn.o_proj",
                           params_dtype=F32, tp=2)
+
+
+def _fp8_layers():
+    """(name, layer, in features) of each linear method: unquantized, block FP8 (one GEMM; merged shards: a GEMM
+    per shard), MXFP4 (its default `apply_into`)."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    un = ColumnParallelLinear(128, 96, quant_config=Unquantized(), prefix="lm_head", params_dtype=F32)
+    assert isinstance(un.quant_method, UnquantizedLinearMethod)
+    un.weight.data.copy_(torch.randn(96, 128, generator=g))
+    out.append(("unquantized", un, 128))
+    prefix = "model.layers.0.self_attn.q_b_proj"
+    lin = ColumnParallelLinear(384, 200, quant_config=fp8_config(), prefix=prefix, params_dtype=F32)
+    q, s = quantize_tensor(torch.randn(200, 384, generator=g) / 20, "fp8")
+    load_module(lin, prefix, {f"{prefix}.weight": q, f"{prefix}.weight_scale_inv": s})
+    out.append(("fp8", lin, 384))
+    base = "model.layers.1.mlp.shared_experts."
+    for name, qc, fmt, scale in (("fp8-merged", fp8_config(), "fp8", "weight_scale_inv"),
+                                 ("mxfp4", quark_config(), "mxfp4", "weight_scale")):
+        m = MergedColumnParallelLinear(256, [64, 64], quant_config=qc, prefix=base + "gate_up_proj", params_dtype=F32)
+        (pg, sg), (pu, su) = (quantize_tensor(torch.randn(64, 256, generator=g) / 16, fmt) for _ in range(2))
+        load_module(m, base + "gate_up_proj", {base + "gate_proj.weight": pg, base + f"gate_proj.{scale}": sg,
+                                               base + "up_proj.weight": pu, base + f"up_proj.{scale}": su})
+        out.append((name, m, 256))
+    return out
+
+
+def test_linear_writes_into_out():
+    """`layer(x, out)` (`LinearMethod.apply_into`: the piecewise graphs' projections into their static carry)
+    writes `out` — a row range of a larger buffer — returns it, equals `layer(x)` exactly and touches nothing
+    else of the buffer."""
+    for name, lin, k in _fp8_layers():
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
+        want = lin(x)
+        store = torch.full((9, want.shape[1]), float("nan"))
+        got = lin(x, store[2:7])
+        assert got.data_ptr() == store[2:7].data_ptr(), name
+        torch.testing.assert_close(store[2:7], want, rtol=0, atol=0, msg=name)
+        assert store[:2].isnan().all() and store[7:].isnan().all(), name
 
 
 def test_quark_block_fp8_linear_reads_weight_scale_from_disk():

@@ -107,3 +107,48 @@ def test_engine_with_pieces_equals_eager(family_dir, monkeypatch):
         assert te == tp
         for a, b in zip(le, lp):
             assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
+
+
+def test_attention_writes_the_static_carry(oracle_dir, monkeypatch):
+    """Under the piecewise path every prefill-form attention group writes its rows of the static "o" carry
+    itself (the op gets a view of it as `out`): no [T, h, dv] copy after each layer's attention; and the query
+    projection writes the static "q" carry (no copy after it either). The step is a mixed one (decode rows
+    beside a chunk), so a group owns a span of the rows."""
+    import dataclasses
+
+    from glm_ray import kernels
+    from glm_ray.quant.unquantized import UnquantizedLinearMethod
+    cfg, model = _model(oracle_dir)
+    base = kernels.ops()
+    seen, into = [], []
+    apply_into = UnquantizedLinearMethod.apply_into
+
+    def record(self, layer, x, out):
+        into.append((layer.prefix, out.data_ptr()))
+        return apply_into(self, layer, x, out)
+
+    monkeypatch.setattr(UnquantizedLinearMethod, "apply_into", record)
+
+    def spy(q, kv_cache, group, selection, kv_b, *, out=None, **kw):
+        seen.append(out)
+        return base.mla_prefill(q, kv_cache, group, selection, kv_b, out=out, **kw)
+
+    monkeypatch.setattr(kernels, "_ACTIVE", dataclasses.replace(base, mla_prefill=spy))
+    bs, nb = 4, 64
+    qlens, clens = [1, 1, 9], [33, 12, 9]
+    tables = [list(range(0, 9)), list(range(9, 12)), list(range(12, 15))]
+    with torch.inference_mode():
+        kv, idx, states = allocate_caches(cfg, (nb + 1) * bs, 4, 1, torch.device("cpu"))
+        batch = build_forward_batch(qlens, clens, tables, bs, torch.device("cpu"))
+        pieces = PiecewiseGraphs(model, kv, idx, states, max_tokens=64, pad_slot=nb * bs, device=torch.device("cpu"))
+        pieces.run(torch.randint(10, 200, (sum(qlens),)), batch)
+        seen.clear()
+        into.clear()
+        pieces.run(torch.randint(10, 200, (sum(qlens),)), batch)
+    def inside(key, ptr):
+        c = pieces.carry[key]
+        return c.data_ptr() <= ptr < c.data_ptr() + c.numel() * c.element_size()
+    assert len(seen) == cfg.num_hidden_layers and all(o is not None and inside("o", o.data_ptr()) for o in seen)
+    # (the first step's piece 0 finds no "q" carry yet: it is made from that run's output; this is the second)
+    q_writes = [p for p, ptr in into if p.endswith("q_b_proj") and inside("q", ptr)]
+    assert len(q_writes) == cfg.num_hidden_layers, into

@@ -186,7 +186,13 @@ class AiterKernels:
         return ws, scale_inv, {"preshuffled": True}
 
     def block_fp8_linear(self, x, w, scale_inv, block=BLOCK, out_dtype=None, *, act_ue8m0: bool = False,
-                         bias=None, mode: str = "w8a8", preshuffled: bool = False, **kw):
+                         bias=None, mode: str = "w8a8", preshuffled: bool = False, out: torch.Tensor | None = None,
+                         **kw):
+        y = self._block_fp8_linear(x, w, scale_inv, block, out_dtype, act_ue8m0=act_ue8m0, bias=bias, mode=mode,
+                                   preshuffled=preshuffled, **kw)
+        return y if out is None else out.copy_(y)        # (aiter's blockscale GEMMs allocate their output)
+
+    def _block_fp8_linear(self, x, w, scale_inv, block, out_dtype, *, act_ue8m0, bias, mode, preshuffled, **kw):
         k = w.shape[-1]
         if (isinstance(x, (tuple, list)) or tuple(block) != BLOCK or mode != "w8a8" or act_ue8m0 or k % 128
                 or w.shape[0] % 128):

@@ -377,7 +377,7 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
                        plan: PrefillPlan, *, kv_lora_rank: int, v_head_dim: int, scale: float,
                        indices: torch.Tensor | None = None, bits: torch.Tensor | None = None,
                        config: tuple[int, int, int, int] | None = None,
-                       tiles: SparseTiles = SparseTiles()) -> torch.Tensor:
+                       tiles: SparseTiles = SparseTiles(), out: torch.Tensor | None = None) -> torch.Tensor:
     """Naive MLA prefill of the group `plan` describes.
 
     q [T, h, dn+dr] rows of the whole step (bf16/fp16; unit last stride); kv_cache [S, r+dr] same
@@ -386,7 +386,8 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
     positions (-1 = none), attended AND causal; or bits: the same selection as the bitmap [Tg, ceil(max_context_len
     / 32)] int32 the kernel reads (`SelectionBits.bits`, packed rows; no index list to convert). config: (BLOCK_M, BLOCK_N, num_warps, num_stages),
     BLOCK_M / BLOCK_N equal to the plan's; tiles: the sparse walk (`SparseTiles`). Returns o [Tg, h, dv]
-    in q.dtype, in the packed order.
+    in q.dtype, in the packed order: `out` when given (any row / head strides, unit last stride), which the kernel
+    writes directly.
     """
     T, h, dq = q.shape
     r, dv = kv_lora_rank, v_head_dim
@@ -397,7 +398,9 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
     assert kv_cache.dim() == 2 and kv_cache.dtype == q.dtype and kv_cache.stride(-1) == 1 and q.stride(-1) == 1
     assert dn >= MIN_DOT and dr >= 0 and dv >= 1, (dn, dr, dv)
     Tg = plan.num_tokens
-    out = torch.empty(Tg, h, dv, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(Tg, h, dv, dtype=q.dtype, device=q.device)         # [Tg, h, dv]
+    assert out.shape == (Tg, h, dv) and out.dtype == q.dtype and out.stride(-1) == 1, (out.shape, out.dtype)
     if Tg == 0 or h == 0:
         return out
     dn1, dn2, block_dn2 = _dn_split(dn)
@@ -443,10 +446,10 @@ def mla_prefill_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup,
                       selection: torch.Tensor | SelectionBits | None,
                       kv_b: Callable[[torch.Tensor], torch.Tensor], *, kv_lora_rank: int, v_head_dim: int,
                       scale: float, max_bytes: int, config: tuple[int, int, int, int] | None = None,
-                      tiles: SparseTiles = SparseTiles()) -> torch.Tensor:
+                      tiles: SparseTiles = SparseTiles(), out: torch.Tensor | None = None) -> torch.Tensor:
     """The `mla_prefill` op on one group (the torch reference's arguments; selection None, int32 indices
-    [B, Qmax, k] or the indexer's `SelectionBits`). The group's plan is built on first use and shared by
-    every layer."""
+    [B, Qmax, k] or the indexer's `SelectionBits`; `out` the [Tg, h, dv] destination). The group's plan is built
+    on first use and shared by every layer."""
     h, dq = q.shape[1], q.shape[2]
     r, dv = kv_lora_rank, v_head_dim
     dr = kv_cache.shape[1] - r
@@ -458,7 +461,8 @@ def mla_prefill_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup,
         group.max_context_len, block_m=cfg[0], block_n=cfg[1], chunk=chunk))
     bits = selection.bits if isinstance(selection, SelectionBits) else None
     return mla_prefill_varlen(q, kv_cache, kv_b, plan, kv_lora_rank=r, v_head_dim=dv, scale=scale,
-                              indices=selection if bits is None else None, bits=bits, config=cfg, tiles=tiles)
+                              indices=selection if bits is None else None, bits=bits, config=cfg, tiles=tiles,
+                              out=out)
 
 
 __all__ = ["KeyChunk", "PrefillPlan", "SparseTiles", "chunk_keys", "mla_prefill_group", "mla_prefill_varlen", "prefill_plan",

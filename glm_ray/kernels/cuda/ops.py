@@ -245,7 +245,9 @@ class CudaKernels:
         self._scaled_mm_ok(wp, sp)
         return wv, sv, meta
 
-    def _scaled_mm(self, xq, xs, wp, sp):
+    def _scaled_mm(self, xq, xs, wp, sp, out=None):
+        if out is not None:
+            return torch._scaled_mm(xq, wp.t(), scale_a=xs, scale_b=sp.t(), out_dtype=torch.bfloat16, out=out)
         return torch._scaled_mm(xq, wp.t(), scale_a=xs, scale_b=sp.t(), out_dtype=torch.bfloat16)
 
     def _scaled_mm_ok(self, wp: torch.Tensor, sp: torch.Tensor) -> bool:
@@ -279,7 +281,7 @@ class CudaKernels:
 
     def block_fp8_linear(self, x, w, scale_inv, block=BLOCK, out_dtype=None, *, mode: str = "w8a8",
                          act_ue8m0: bool = False, bias=None, n_pad: int | None = None, k_pad: int | None = None,
-                         fp8_dtype=FP8_DTYPE, fp8_max=None, **kw):
+                         fp8_dtype=FP8_DTYPE, fp8_max=None, out: torch.Tensor | None = None, **kw):
         reason = self._fp8_linear_reason(w, block)
         if reason is None:
             if isinstance(x, (tuple, list)):
@@ -293,13 +295,20 @@ class CudaKernels:
         if reason is not None:
             self._fallback("block_fp8_linear", reason)
             return ref_block_fp8_linear(x, w, scale_inv, block, out_dtype, mode=mode, act_ue8m0=act_ue8m0, bias=bias,
-                                        fp8_dtype=fp8_dtype, fp8_max=fp8_max, **kw)
+                                        fp8_dtype=fp8_dtype, fp8_max=fp8_max, out=out, **kw)
         return self._guarded(
             "block_fp8_linear",
-            lambda: self._block_fp8_linear(x, w, scale_inv, out_dtype, act_ue8m0, bias, n_pad, k_pad),
-            lambda: ref_block_fp8_linear(x, w, scale_inv, block, out_dtype, act_ue8m0=act_ue8m0, bias=bias))
+            lambda: self._block_fp8_linear(x, w, scale_inv, out_dtype, act_ue8m0, bias, n_pad, k_pad, out),
+            lambda: ref_block_fp8_linear(x, w, scale_inv, block, out_dtype, act_ue8m0=act_ue8m0, bias=bias, out=out))
 
-    def _block_fp8_linear(self, x, w, scale_inv, out_dtype, act_ue8m0, bias, n_pad, k_pad):
+    def _block_fp8_linear(self, x, w, scale_inv, out_dtype, act_ue8m0, bias, n_pad, k_pad, out=None):
+        y = self._block_fp8_gemm(x, w, scale_inv, out_dtype, act_ue8m0, bias, n_pad, k_pad, out)
+        if out is None:
+            return y
+        return out if y.data_ptr() == out.data_ptr() else out.copy_(y)
+
+    def _block_fp8_gemm(self, x, w, scale_inv, out_dtype, act_ue8m0, bias, n_pad, k_pad, out):
+        """The GEMM of `block_fp8_linear`; `_scaled_mm` writes `out` directly where its padded shape is out's."""
         odt = out_dtype or x.dtype
         n, k = w.shape
         lead = x.shape[:-1]
@@ -331,6 +340,8 @@ class CudaKernels:
         else:
             mp = L.round_up(m, L.SCALED_MM_M_ALIGN)
             xq, xs = self._act_quant(x2, mp, wp.shape[1], act_ue8m0, True)   # [Mp, Kp], [Mp, Kp/128] col-major
+            if out is not None and bias is None and odt == torch.bfloat16 and (mp, wp.shape[0]) == (m, n):
+                return self._scaled_mm(xq, xs, wp, sp, out=out.view(m, n))   # no padding: straight into out
             y = self._scaled_mm(xq, xs, wp, sp)[:m, :n]
             if wp.shape[0] != n:
                 y = y.contiguous()
@@ -526,8 +537,8 @@ class CudaKernels:
         return self._guarded("mla_decode", fast, slow)
 
     def mla_prefill(self, q, kv_cache, group, selection, kv_b, *, kv_lora_rank: int, v_head_dim: int, scale: float,
-                    max_bytes: int = ref_attention.ATTN_BYTES):
-        kw = dict(kv_lora_rank=kv_lora_rank, v_head_dim=v_head_dim, scale=scale, max_bytes=max_bytes)
+                    max_bytes: int = ref_attention.ATTN_BYTES, out: torch.Tensor | None = None):
+        kw = dict(kv_lora_rank=kv_lora_rank, v_head_dim=v_head_dim, scale=scale, max_bytes=max_bytes, out=out)
         def slow():
             return ref_attention.mla_prefill(q, kv_cache, group, selection, kv_b, **kw)
         dn = q.shape[-1] - (kv_cache.shape[-1] - kv_lora_rank)

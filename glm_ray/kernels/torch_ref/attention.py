@@ -46,13 +46,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, 
 
 def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup, selection: torch.Tensor | None,
                 kv_b: Callable[[torch.Tensor], torch.Tensor], *, kv_lora_rank: int, v_head_dim: int, scale: float,
-                max_bytes: int = ATTN_BYTES) -> torch.Tensor:
+                max_bytes: int = ATTN_BYTES, out: torch.Tensor | None = None) -> torch.Tensor:
     """Naive (expanded) MLA of one group: the context latents are expanded to per-head K/V with `kv_b`
     and attended as MHA.
 
     q [T, h, dn+dr] (nope | roped) rows of the whole step; kv_cache [S, r+dr]; kv_b: latents [N, r] ->
     [N, h*(dn+dv)] (the layer's kv_b_proj, rows grouped per head: dn key dims then dv value dims).
-    Returns o [Tg, h, dv] in q.dtype.
+    Returns o [Tg, h, dv] in q.dtype (copied into `out` [Tg, h, dv] when given, which is returned).
     """
     mask = group.causal if selection is None else selection_mask(group, selection)   # [B, Qmax, Kmax]
     r, dv = kv_lora_rank, v_head_dim
@@ -75,7 +75,8 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup, selec
     else:
         k, v = expand(kv_cache[group.kv_slots])                             # [B, K, h, *]
         o = sdpa(qg.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None], scale).transpose(1, 2)
-    return o.flatten(0, 1)[group.packed]                                    # [Tg, h, dv]
+    o = o.flatten(0, 1)[group.packed]                                       # [Tg, h, dv]
+    return o if out is None else out.copy_(o)
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup, selection: torch.Tensor | None, *,

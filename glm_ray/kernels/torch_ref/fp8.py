@@ -201,8 +201,9 @@ def w8a8_block_fp8_matmul_kblocked(x_q: torch.Tensor, x_s: torch.Tensor, w: torc
 def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
                      block: tuple[int, int] = (128, 128), out_dtype: torch.dtype | None = None, *,
                      mode: str = "w8a8", act_ue8m0: bool = False, bias: torch.Tensor | None = None,
-                     fp8_dtype: torch.dtype = FP8_DTYPE, fp8_max: float | None = None) -> torch.Tensor:
-    """`y = x @ dequant(W).T` with the numerics of a block-FP8 serving kernel.
+                     fp8_dtype: torch.dtype = FP8_DTYPE, fp8_max: float | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """`y = x @ dequant(W).T` with the numerics of a block-FP8 serving kernel (copied into `out` when given).
 
     x `[..., K]` (bf16/fp32) or a pre-quantized tuple `(x_q [..., K] fp8, x_s [..., ceil(K/bk)] fp32)`;
     w `[N, K]` e4m3; scale_inv `[ceil(N/bn), ceil(K/bk)]` fp32 -> y `[..., N]` in `out_dtype`
@@ -232,4 +233,5 @@ def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
     y = xf @ dequant_block_fp8(w, scale_inv, block).T                          # [M, N] fp32
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.to(odt).reshape(*lead, w.shape[0])
+    y = y.to(odt).reshape(*lead, w.shape[0])
+    return y if out is None else out.copy_(y)
