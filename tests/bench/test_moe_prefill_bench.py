@@ -25,7 +25,11 @@ def test_parse_config():
     assert c1 == TileConfig(64, 128, 128, 8, 3) and c2 == TileConfig(64, 64, 128, 4, 3)
     c1, c2 = moe_prefill.parse_config("64:256:128:128:8:8:3:tma")
     assert c1 == TileConfig(64, 256, 128, 8, 3, tma=True) and c2 == TileConfig(64, 128, 128, 8, 3, tma=True)
-    for bad in ("64:128", "a:b:c:d:e:f:g", "64:128:64:128:8:4:3:1"):
+    c1, c2 = moe_prefill.parse_config("64:256:128:128:8:8:2:tma:r128")
+    assert c1 == TileConfig(64, 256, 128, 8, 2, tma=True, maxnreg=128) and c2.maxnreg == 128 and c2.tma
+    assert moe_prefill.parse_config("64:256:128:128:8:8:2:r96")[0] == TileConfig(64, 256, 128, 8, 2, maxnreg=96)
+    for bad in ("64:128", "a:b:c:d:e:f:g", "64:128:64:128:8:4:3:1", "64:128:64:128:8:4:3:r", "64:128:64:128:8:4:3:tma:tma",
+                "64:128:64:128:8:4:3:r64:r96"):
         with pytest.raises(Exception, match="BM:BN1:BN2"):
             moe_prefill.parse_config(bad)
 
@@ -63,6 +67,8 @@ def test_timed_functions_compute_the_moe():
     old = moe_prefill.call("old", *args, "fp8", moe_prefill.parse_config("16:128:128:128:4:4:2"))()
     new = moe_prefill.call("new", *args, "fp8", new_cfg)()
     assert rel_err(new, old) <= 1e-5
+    capped = moe_prefill.call("new", *args, "fp8", moe_prefill.parse_config("16:256:128:128:4:4:2:r128"))()
+    assert torch.equal(capped, new)                   # a register cap is a compile option: the same math
     with pytest.raises(ValueError, match="FP8 only"):
         moe_prefill.call("new", *args, "bf16", None)
     for path, cfgs in (("old", None), ("new", new_cfg)):

@@ -73,3 +73,20 @@ def test_topk_bits_compiles_for_hopper():
     shared = _shared_bytes("glm_ray.kernels.cuda.topk", "_topk_bits_kernel", sig, {"CHUNK": topk.BITS_CHUNK},
                            num_warps=topk.BITS_WARPS)
     assert shared <= HOPPER_SMEM, shared
+
+
+def test_moe_prefill_up_two_ctas_an_sm():
+    """The prefill MoE's gate/up kernel with 2 stages and a 128-register cap (`bench.moe_prefill` config
+    `64:256:128:128:8:8:2:tma:r128`): it compiles for sm_90 and two CTAs' shared memory fit one SM (with 3 stages
+    one CTA takes 120 KiB)."""
+    bm, bk = 64, 128
+    sig = {"a_ptr": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "as_ptr": "*fp32", "w_ptr": f"tensordesc<fp8e4nv[2, 128, {bk}]>",
+           "ws_ptr": "*fp32", "o_ptr": "*fp8e4nv", "os_ptr": "*fp32", "eid_ptr": "*i32", "npost_ptr": "*i32",
+           **dict.fromkeys(["EM", "K", "N", "HALF", "SHALF", "stride_am", "stride_we", "stride_wn", "stride_wse",
+                            "stride_wsn", "stride_om"], "i32"), "limit": "fp32", "eps": "fp32", "fmax": "fp32"}
+    const = dict(UE8M0=False, HAS_LIMIT=False, INTERP=False, TMA=True, EVEN_K=True, EVEN_N=True, BM=bm, BK=bk, KB=16,
+                 GROUP_M=8)
+    sig.update(dict.fromkeys(const, "constexpr"))
+    shared = _shared_bytes("glm_ray.kernels.cuda.moe_prefill", "_up_kernel", sig, const, num_warps=8, num_stages=2,
+                           maxnreg=128)
+    assert 2 * shared <= HOPPER_SMEM, shared

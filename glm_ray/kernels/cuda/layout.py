@@ -197,6 +197,10 @@ class TileConfig:
     num_stages: int
     group_m: int = 8
     tma: bool = False            # operands through tensor descriptors (TMA); read by moe_prefill.py only
+    # registers a thread may use (ptxas .maxnreg; moe_prefill.py only): the up kernel's 158 at 8 warps leave room
+    # for one CTA an SM; <= 128 (with 2 stages: 80 KiB of shared memory) lets two share one, so one's promotion
+    # and epilogue overlap the other's wgmma (sm_90a compile: 128 spills ~100 bytes a thread). None: ptxas decides
+    maxnreg: int | None = None
 
 
 def moe_configs(w_mode: str, num_pairs: int, num_experts: int) -> tuple[TileConfig, TileConfig]:

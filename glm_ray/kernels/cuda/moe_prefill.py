@@ -268,7 +268,12 @@ def _up(aq, a_s, w13, ws13, inter, inter_s, al, k_real, n_real, cfg: TileConfig,
         UE8M0=ue8m0, HAS_LIMIT=limit is not None, INTERP=INTERPRET, TMA=tma,
         EVEN_K=kb * cfg.block_k <= dp, EVEN_N=n_real % GROUP == 0,
         BM=cfg.block_m, BK=cfg.block_k, KB=kb, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, **_launch_options(cfg))
+
+
+def _launch_options(cfg: TileConfig) -> dict:
+    """Compile options a config sets beyond warps and stages (Triton keys its cache on them)."""
+    return {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
 
 
 def _down(inter, inter_s, w2, ws2, out, tw, al, num_pairs, n_real, k_real, cfg: TileConfig):
@@ -287,7 +292,7 @@ def _down(inter, inter_s, w2, ws2, out, tw, al, num_pairs, n_real, k_real, cfg: 
         inter.stride(0), w2.stride(0), w2.stride(1), ws2.stride(0), ws2.stride(1), out.stride(0),
         INTERP=INTERPRET, TMA=tma, EVEN_K=kb * cfg.block_k <= ip, EVEN_N=n_real % cfg.block_n == 0,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, KB=kb, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, **_launch_options(cfg))
 
 
 def combine_pairs(out_pairs: torch.Tensor, t: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
