@@ -107,7 +107,8 @@ class KernelOps:
     rope_inplace: Callable | None = None
     # RMSNorm, fp32 statistics: (x [T, D], weight [D], eps, residual [T, D] | None) -> y [T, D] =
     # weight * rms_norm(x.float()).to(x.dtype); with a residual -> (y of s, s = x + residual in x's dtype, the
-    # new residual stream) — kernels/torch_ref/norm.py. x / residual may be strided row views ([..., D] accepted)
+    # new residual stream) — kernels/torch_ref/norm.py. x / residual may be strided row views ([..., D] accepted);
+    # `in_place=True`: s is stored into `residual` (returned as s)
     rms_norm: Callable | None = None
     # --- policy the backend owns (a judgement of its own kernels, not an op) ---
     # a prefill chunk of at most this many tokens over a cached context at least as long runs as one-query rows

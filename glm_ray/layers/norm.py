@@ -18,9 +18,12 @@ class RMSNorm(nn.Module):
         self.weight = set_weight_attrs(nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False),
                                        is_norm=True)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, in_place: bool = False):
         """x [..., D] -> weight * rms_norm(x.float()).to(x.dtype) [..., D]; with `residual` [..., D]:
-        (norm of s, s = x + residual) — the add of the residual stream fused into the same launch."""
+        (norm of s, s = x + residual) — the add of the residual stream fused into the same launch; `in_place`
+        stores s into `residual` (the caller gives up the old stream)."""
+        if in_place:
+            return kernels.ops().rms_norm(x, self.weight, self.eps, residual, in_place=True)
         return kernels.ops().rms_norm(x, self.weight, self.eps, residual)
 
     def weight_loader(self, param, ckpt, shard_id=None):

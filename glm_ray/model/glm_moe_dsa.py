@@ -5,7 +5,8 @@ Module names mirror the checkpoint names, so the name map below only has to deal
 params (gate_up_proj) and stacked experts (w13/w2). The MTP layer (index num_hidden_layers) is
 built and loaded but not run yet (speculative decoding comes later).
 The decoder layers carry the residual stream un-added: each add is fused into the RMSNorm that follows
-it (the `rms_norm` kernel op's residual form), the last one into the final norm.
+it (the `rms_norm` kernel op's residual form, in place: the stream's buffer is updated, so a piecewise graph's
+static residual carry needs no copy after its piece), the last one into the final norm.
 """
 from __future__ import annotations
 
@@ -45,14 +46,14 @@ class DecoderLayer(nn.Module):
         if residual is None:
             residual, n = x, self.input_layernorm(x)                            # [T, D] each
         else:
-            n, residual = self.input_layernorm(x, residual)                     # stream += previous MLP output
+            n, residual = self.input_layernorm(x, residual, in_place=True)      # stream += previous MLP output
         return residual, self.self_attn.project(n, batch, rope, kv_cache, index_cache, index_queries, out)
 
     def ffn(self, o, residual):
         """o [T, h, dv] attention output -> (this layer's MLP output, the stream before it); the next norm
         adds them. The same adds in the same order as `x = x + h; x = x + mlp(norm(x))`."""
         h = self.self_attn.o_proj(o.reshape(o.shape[0], -1))                  # [T, D]
-        n, residual = self.post_attention_layernorm(h, residual)                # stream += attention output
+        n, residual = self.post_attention_layernorm(h, residual, in_place=True)   # stream += attention output
         return self.mlp(n), residual
 
 

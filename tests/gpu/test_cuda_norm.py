@@ -105,3 +105,25 @@ def test_cuda_rms_norm_graph_replay(ck, residual):
         assert torch.equal(out_g[1], x + r)
     else:
         assert torch.equal(out_g, out_e)
+
+
+@pytest.mark.parametrize("t", [8, 8192])
+def test_cuda_rms_norm_in_place_residual(ck, t):
+    """`in_place` (the piecewise graphs' residual carry): the sum lands in the residual's own rows of a wider
+    buffer, bit for bit the out-of-place s, the same y; its neighbours untouched; also under graph replay."""
+    d = 2048
+    x, w = rand_input(t, d, BF16, seed=t).to(DEV), norm_weight(d, BF16).to(DEV)
+    store = (rand_input(t + 4, d, BF16, seed=t + 1) * 4).to(DEV)
+    keep = store.clone()
+    y_want, s_want = ck.rms_norm(x, w, EPS, store[2:2 + t].clone())
+    y, s = ck.rms_norm(x, w, EPS, store[2:2 + t], in_place=True)
+    assert s.data_ptr() == store[2].data_ptr() and torch.equal(store[2:2 + t], s_want) and torch.equal(y, y_want)
+    assert torch.equal(store[:2], keep[:2]) and torch.equal(store[2 + t:], keep[2 + t:])
+    store.copy_(keep)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg, _ = ck.rms_norm(x, w, EPS, store[2:2 + t], in_place=True)
+    store.copy_(keep)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(store[2:2 + t], s_want) and torch.equal(yg, y_want)

@@ -161,6 +161,27 @@ def test_kernel_strided_and_batched_rows(dtype):
     assert torch.equal(triton_norm.rms_norm(xt, w, EPS), ref_rms_norm(xt, w, EPS))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_residual(dtype):
+    """`in_place`: the sum is stored into the residual tensor (a row range of a wider buffer, its neighbours
+    untouched), which is returned: bit for bit the out-of-place s, the same y; the reference the same way; a
+    residual without a unit last stride gets the sum copied back."""
+    w = norm_weight(512, dtype)
+    x = grid_input(5, 512, dtype, seed=11)
+    for op in (triton_norm.rms_norm, ref_rms_norm):
+        store = grid_input(8, 512, dtype, seed=12)
+        keep = store.clone()
+        r = store[2:7]
+        y_want, s_want = op(x, w, EPS, r.clone())
+        y, s = op(x, w, EPS, r, in_place=True)
+        assert s is r and torch.equal(store[2:7], s_want) and torch.equal(y, y_want)
+        assert torch.equal(store[:2], keep[:2]) and torch.equal(store[7:], keep[7:])
+    rt = grid_input(512, 5, dtype, seed=13).t()                               # [5, 512], last dim strided
+    want = ref_rms_norm(x, w, EPS, rt.clone())[1]
+    y, s = triton_norm.rms_norm(x, w, EPS, rt, in_place=True)
+    assert s is rt and torch.equal(rt, want)
+
+
 def test_kernel_rounds_bf16_half_to_even():
     """Sums exactly half-way between two bf16 values round to even, like torch's add (the interpreter's
     own fp32 -> bf16 cast truncates: the kernel rounds on the bits; the grid tests cover the cast back and
@@ -191,7 +212,7 @@ def test_cuda_kernels_routes_supported_calls_to_the_kernel(monkeypatch):
     monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton, op: None)
     calls = []
     real = triton_norm.rms_norm
-    monkeypatch.setattr(triton_norm, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(triton_norm, "rms_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     x, r = grid_input(3, 768, torch.bfloat16, 8), grid_input(3, 768, torch.bfloat16, 9)
     w = norm_weight(768, torch.bfloat16)
     y, s = ck.rms_norm(x, w, EPS, r)

@@ -111,9 +111,9 @@ def test_engine_with_pieces_equals_eager(family_dir, monkeypatch):
 
 def test_attention_writes_the_static_carry(oracle_dir, monkeypatch):
     """Under the piecewise path every prefill-form attention group writes its rows of the static "o" carry
-    itself (the op gets a view of it as `out`): no [T, h, dv] copy after each layer's attention; and the query
-    projection writes the static "q" carry (no copy after it either). The step is a mixed one (decode rows
-    beside a chunk), so a group owns a span of the rows."""
+    itself (the op gets a view of it as `out`): no [T, h, dv] copy after each layer's attention; the query
+    projection writes the static "q" carry and the norms add into the "residual" carry in place (no copy after
+    a piece either). The step is a mixed one (decode rows beside a chunk), so a group owns a span of the rows."""
     import dataclasses
 
     from glm_ray import kernels
@@ -128,6 +128,16 @@ def test_attention_writes_the_static_carry(oracle_dir, monkeypatch):
         return apply_into(self, layer, x, out)
 
     monkeypatch.setattr(UnquantizedLinearMethod, "apply_into", record)
+    inner, same_stream = model.piecewise(), []
+    piece = inner.piece
+
+    def traced(k, carry, *a):
+        out = piece(k, carry, *a)
+        if "residual" in carry and "residual" in out:
+            same_stream.append(out["residual"].data_ptr() == carry["residual"].data_ptr())
+        return out
+
+    monkeypatch.setattr(inner, "piece", traced)
 
     def spy(q, kv_cache, group, selection, kv_b, *, out=None, **kw):
         seen.append(out)
@@ -144,6 +154,7 @@ def test_attention_writes_the_static_carry(oracle_dir, monkeypatch):
         pieces.run(torch.randint(10, 200, (sum(qlens),)), batch)
         seen.clear()
         into.clear()
+        same_stream.clear()
         pieces.run(torch.randint(10, 200, (sum(qlens),)), batch)
     def inside(key, ptr):
         c = pieces.carry[key]
@@ -152,3 +163,4 @@ def test_attention_writes_the_static_carry(oracle_dir, monkeypatch):
     # (the first step's piece 0 finds no "q" carry yet: it is made from that run's output; this is the second)
     q_writes = [p for p, ptr in into if p.endswith("q_b_proj") and inside("q", ptr)]
     assert len(q_writes) == cfg.num_hidden_layers, into
+    assert same_stream == [True] * (cfg.num_hidden_layers - 1)          # pieces 1..L-1 carry the stream on

@@ -36,7 +36,7 @@ def _round(v, dtype: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=['T'])   # sizes that change per step: no recompiles (cuda/__init__)
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, T, stride_x, stride_r, eps,
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, T, stride_x, stride_r, stride_s, eps,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, HAS_RES: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                 # [BT]
     cols = tl.arange(0, BLOCK_D)                                              # [BD]
@@ -48,7 +48,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, T, stride_x, stride_r, e
     if HAS_RES:
         res = tl.load(r_ptr + r64[:, None] * stride_r + cols[None, :], mask=m, other=0.0)
         x = _round(x.to(tl.float32) + res.to(tl.float32), x_ptr.dtype.element_ty)   # like torch's add
-        tl.store(s_ptr + out_off, x, mask=m)
+        tl.store(s_ptr + r64[:, None] * stride_s + cols[None, :], x, mask=m)     # (s may be r itself: in place)
     xf = x.to(tl.float32)                                                     # [BT, BD]
     ssq = tl.sum(xf * xf, axis=1)                                             # [BT]
     var = tl.math.div_rn(ssq, tl.full([BLOCK_T], D, tl.float32)) + eps        # [BT] mean + eps
@@ -65,8 +65,10 @@ def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """x [..., D], weight [D] (x's dtype), residual [..., D] | None -> y [..., D], or (y, x + residual)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
+             in_place: bool = False):
+    """x [..., D], weight [D] (x's dtype), residual [..., D] | None -> y [..., D], or (y, x + residual); with
+    `in_place` the sum is stored into `residual` (each element read and written by the same thread)."""
     d = x.shape[-1]
     assert d <= MAX_D and weight.shape == (d,) and weight.dtype == x.dtype, (d, weight.shape, weight.dtype)
     lead = x.shape[:-1]
@@ -77,14 +79,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
         r2 = _rows(residual, d)                                               # [T, D]
     y = torch.empty(t, d, dtype=x.dtype, device=x.device)                     # [T, D]
-    s = torch.empty(t, d, dtype=x.dtype, device=x.device) if residual is not None else None
+    s = None
+    if residual is not None:
+        s = r2 if in_place and r2.data_ptr() == residual.data_ptr() else torch.empty(t, d, dtype=x.dtype,
+                                                                                     device=x.device)
     if t > 0:
         block_d = triton.next_power_of_2(d)
         block_t = max(1, min(TILE // block_d, 16, triton.next_power_of_2(t)))
         warps = max(1, min(16, block_t * block_d // 512))
         _rms_norm_kernel[(triton.cdiv(t, block_t),)](
             x2, r2 if r2 is not None else x2, weight.contiguous(), y, s if s is not None else y, t, x2.stride(0),
-            r2.stride(0) if r2 is not None else 0, float(eps),
+            r2.stride(0) if r2 is not None else 0, s.stride(0) if s is not None else 0, float(eps),
             D=d, BLOCK_D=block_d, BLOCK_T=block_t, HAS_RES=residual is not None, num_warps=warps)
     y = y.view(*lead, d)
-    return y if s is None else (y, s.view(*lead, d))
+    if s is None:
+        return y
+    if in_place and s is not r2:                      # residual had no unit last stride: the kernel wrote a copy
+        return y, residual.copy_(s.view(*lead, d))
+    return y, (residual if in_place else s.view(*lead, d))

@@ -650,7 +650,7 @@ class CudaKernels:
                              lambda: ref_rope_inplace(*args))
 
     # ---- RMSNorm (+ fused residual add) ---------------------------------------------------------
-    def rms_norm(self, x, weight, eps: float, residual=None):
+    def rms_norm(self, x, weight, eps: float, residual=None, *, in_place: bool = False):
         reason = (self._gpu_reason(x, 80, need_triton=True, op="rms_norm")
                   or (f"dtype {x.dtype} (bf16/fp16 kernel)" if x.dtype not in HALF_DTYPES else None)
                   or (f"weight dtype {weight.dtype} != {x.dtype}" if weight.dtype != x.dtype else None)
@@ -659,10 +659,10 @@ class CudaKernels:
                   or (f"D={x.shape[-1]} > 8192" if x.shape[-1] > 8192 else None))
         if reason is not None:
             self._fallback("rms_norm", reason)
-            return ref_rms_norm(x, weight, eps, residual)
+            return ref_rms_norm(x, weight, eps, residual, in_place=in_place)
         from glm_ray.kernels.cuda.norm import rms_norm as fast  # noqa: PLC0415 (imports triton)
-        return self._guarded("rms_norm", lambda: fast(x, weight, eps, residual),
-                             lambda: ref_rms_norm(x, weight, eps, residual))
+        return self._guarded("rms_norm", lambda: fast(x, weight, eps, residual, in_place=in_place),
+                             lambda: ref_rms_norm(x, weight, eps, residual, in_place=in_place))
 
 
 def make_ops(fp8_gemm: str | None = None):
