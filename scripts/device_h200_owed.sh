@@ -24,6 +24,10 @@
 #   PART=steps    bench.prefill piecewise (8x1024, 1x8192; glm5-flash-31b + glm5-slice-6l; 3 profiled steps each,
 #                 their Chrome traces and per-step GPU gaps from scripts/trace_steps.py) and bench.decode graphs
 #                 (B = 1 / 64, context 1k / 8k, glm5-flash-31b): the step as a whole after host-side changes
+#   PART=s41      session 41's unmeasured work: its GPU tests (the carry written in place: block_fp8_linear out=,
+#                 mla_prefill out=, rms_norm in_place; piecewise graphs; prefill MoE), the prefill MoE kernels with
+#                 two CTAs an SM (bench.moe_prefill --path new, ':r128' configs), bench.prefill piecewise 8x1k /
+#                 1x8k with its device-op table (the memcpy rows should be gone; README "Performance")
 #   PART=all      tests, prefill, grammar, indexer, mixed, orch, firstuse, step
 # Needs xgrammar importable (the engine imports it). The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
 # scripts/device_h200_served.sh with Ray and xgrammar importable (docs/performance.md, "Reproducing on a GPU machine without a package index").
@@ -131,5 +135,24 @@ if [ $PART = moe ]; then
      --configs default ${MOE_CONFIGS:-64:128:128:128:8:8:3 64:128:128:128:8:4:4 128:128:128:128:8:8:3 128:128:128:128:8:8:2 32:128:128:128:4:4:4 64:128:64:128:8:4:3} \
      --json $OUT/moe_prefill.jsonl > $OUT/moe_prefill.log 2>&1; echo "rc=$?" >> $S
   grep -A 200 "^$" $OUT/moe_prefill.log | grep -E "^ *(flash|glm5) " | cut -c1-160 >> $S
+fi
+if [ $PART = s41 ]; then
+  echo "== gpu tests (session 41)" >> $S
+  for f in tests/gpu/test_cuda_norm.py "tests/gpu/test_cuda_kernels.py -k into_out" tests/gpu/test_cuda_mla_prefill.py \
+           tests/gpu/test_piecewise_graphs.py tests/gpu/test_cuda_moe_prefill.py; do
+    timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider $f > $OUT/t.log 2>&1; rc=$?
+    echo "$f rc=$rc $(tail -1 $OUT/t.log)" >> $S
+    grep -E "^(FAILED|ERROR|E  )" $OUT/t.log | cut -c1-300 | head -30 >> $S; cat $OUT/t.log >> $OUT/gpu_tests.log
+  done; rm -f $OUT/t.log
+  echo "== bench.moe_prefill new kernels: one vs two CTAs an SM" >> $S
+  timeout ${MOE_LIM:-200} python3 -m glm_ray.bench.moe_prefill --geo flash glm5 --mode fp8 --tokens 2048 8192 --path new \
+     --new-configs default ${MOE_NEW_CONFIGS:-64:256:128:128:8:8:2:tma 64:256:128:128:8:8:2:tma:r128 64:256:128:128:8:8:3:tma:r128} \
+     --stages --json $OUT/moe_new.jsonl > $OUT/moe_new.log 2>&1; echo "rc=$?" >> $S
+  grep -E "^ *(flash|glm5) " $OUT/moe_new.log | cut -c1-250 >> $S
+  echo "== bench.prefill piecewise" >> $S
+  timeout ${STEP_LIM:-240} python3 -m glm_ray.bench.prefill ${PIECE_MODELS:-glm5-flash-31b glm5-slice-6l} \
+     --shape ${PIECE_SHAPES:-8x1024 1x8192} --quant fp8 --device cuda --profile-top 14 --modes piecewise \
+     --piecewise-max-tokens ${PIECE_MAX:-8192} --json $OUT/prefill_s41.jsonl > $OUT/prefill_s41.log 2>&1; echo "rc=$?" >> $S
+  grep -A 18 "^ *model |" $OUT/prefill_s41.log | grep -vE "INFO|WARNING" | head -80 >> $S
 fi
 cat $S
