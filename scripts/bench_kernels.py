@@ -21,6 +21,8 @@ CUDA graph, per call: what a decode step pays (in-graph launch gaps included, we
 `--small-m-pdl`: the same chains with the fused kernel launched as programmatic dependent launches or not.
 `--decode-small-ops`: the decode step's router GEMM (`fp32_linear`) and SwiGLU (`swiglu`) Triton launches vs
 the torch ops they replace, CUDA-graph replays at T = 1..256, glm5-flash-31b and GLM-5 shapes.
+`--prefill-fp32-linear`: `fp32_linear` at prefill sizes (T = 512..8192): the split-weight tensor-core kernel
+(`fp32_linear_split`) vs x.float() + cuBLAS's fp32 GEMM, routers and indexer head weights of both models.
 
 Printed per row: time (us, median of triton.testing.do_bench with an L2 flush between runs),
 achieved TFLOP/s and TB/s, and their ratio to the measured H200 ceilings (perf_anchors.md §3.1:
@@ -340,6 +342,24 @@ def bench_decode_small_ops(rows, ts=(1, 8, 32, 64, 256)):
                                 CEIL["bf16_tflops"]))
 
 
+def bench_prefill_fp32_linear(rows, ts=(512, 2048, 8192)):
+    """`fp32_linear` at prefill sizes: the split-weight kernel (three bf16 parts on the tensor cores; FLOPs counted
+    once, the fp32 GEMM's, so the rate compares with it) vs the torch reference (cast + cuBLAS fp32), CUDA-graph
+    replays. Bytes: x, the weight (three bf16 parts / fp32), y."""
+    import torch.nn.functional as F
+
+    from glm_ray.kernels.cuda.fp32_linear import fp32_linear_split, split3
+    for name, e, d in (("flash.router", 64, 2048), ("flash.index_w", 32, 2048), ("glm5.router", 256, 6144),
+                       ("glm5.index_w", 64, 6144)):
+        w = torch.randn(e, d, device=DEV) * d ** -0.5
+        w3 = split3(w)
+        for t in ts:
+            x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16)
+            for v, fn, wbytes in (("split", lambda: fp32_linear_split(x, w3), 6), ("torch", lambda: F.linear(x.float(), w), 4)):
+                rows.append(row("prefill", name, v, t, bench_graph_ms(fn), 2.0 * t * e * d,
+                                t * d * 2 + e * d * wbytes + t * e * 4, CEIL["bf16_tflops"]))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON output path")
@@ -354,6 +374,8 @@ def main(argv=None) -> int:
                     help="only the fused small-M kernel with and without programmatic dependent launch")
     ap.add_argument("--decode-small-ops", action="store_true",
                     help="only the decode step's small ops (router GEMM, SwiGLU) vs the torch ops they replace")
+    ap.add_argument("--prefill-fp32-linear", action="store_true",
+                    help="only fp32_linear at prefill sizes: the split-weight tensor-core kernel vs cuBLAS fp32")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device", file=sys.stderr)
@@ -376,6 +398,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     if a.decode_small_ops:
         bench_decode_small_ops(rows)
+    elif a.prefill_fp32_linear:
+        bench_prefill_fp32_linear(rows)
     elif a.small_m_pdl:
         bench_small_m_pdl(rows)
     elif a.small_m_sweep:

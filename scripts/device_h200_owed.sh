@@ -25,9 +25,10 @@
 #                 their Chrome traces and per-step GPU gaps from scripts/trace_steps.py) and bench.decode graphs
 #                 (B = 1 / 64, context 1k / 8k, glm5-flash-31b): the step as a whole after host-side changes
 #   PART=s41      session 41's unmeasured work: its GPU tests (the carry written in place: block_fp8_linear out=,
-#                 mla_prefill out=, rms_norm in_place; piecewise graphs; prefill MoE), the prefill MoE kernels with
-#                 two CTAs an SM (bench.moe_prefill --path new, ':r128' configs), bench.prefill piecewise 8x1k /
-#                 1x8k with its device-op table (the memcpy rows should be gone; README "Performance")
+#                 mla_prefill out=, rms_norm in_place; piecewise graphs; prefill MoE; fp32_linear's split path), the
+#                 prefill fp32_linear (bench_kernels --prefill-fp32-linear), the prefill MoE kernels with two CTAs an
+#                 SM (bench.moe_prefill --path new, ':r128' configs), bench.prefill piecewise 8x1k / 1x8k with its
+#                 device-op table (the memcpy rows and the fp32 SIMT GEMM should be gone; README "Performance")
 #   PART=all      tests, prefill, grammar, indexer, mixed, orch, firstuse, step
 # Needs xgrammar importable (the engine imports it). The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
 # scripts/device_h200_served.sh with Ray and xgrammar importable (docs/performance.md, "Reproducing on a GPU machine without a package index").
@@ -139,11 +140,14 @@ fi
 if [ $PART = s41 ]; then
   echo "== gpu tests (session 41)" >> $S
   for f in tests/gpu/test_cuda_norm.py "tests/gpu/test_cuda_kernels.py -k into_out" tests/gpu/test_cuda_mla_prefill.py \
-           tests/gpu/test_piecewise_graphs.py tests/gpu/test_cuda_moe_prefill.py; do
+           tests/gpu/test_piecewise_graphs.py tests/gpu/test_cuda_moe_prefill.py tests/gpu/test_cuda_routing.py; do
     timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider $f > $OUT/t.log 2>&1; rc=$?
     echo "$f rc=$rc $(tail -1 $OUT/t.log)" >> $S
     grep -E "^(FAILED|ERROR|E  )" $OUT/t.log | cut -c1-300 | head -30 >> $S; cat $OUT/t.log >> $OUT/gpu_tests.log
   done; rm -f $OUT/t.log
+  echo "== bench_kernels --prefill-fp32-linear (split-weight tensor-core kernel vs cuBLAS fp32)" >> $S
+  timeout ${K_LIM:-90} python3 scripts/bench_kernels.py --prefill-fp32-linear --out $OUT/fp32_linear.json \
+     > $OUT/fp32_linear.log 2>&1; echo "rc=$?" >> $S; grep "^prefill" $OUT/fp32_linear.log >> $S
   echo "== bench.moe_prefill new kernels: one vs two CTAs an SM" >> $S
   timeout ${MOE_LIM:-200} python3 -m glm_ray.bench.moe_prefill --geo flash glm5 --mode fp8 --tokens 2048 8192 --path new \
      --new-configs default ${MOE_NEW_CONFIGS:-64:256:128:128:8:8:2:tma 64:256:128:128:8:8:2:tma:r128 64:256:128:128:8:8:3:tma:r128} \

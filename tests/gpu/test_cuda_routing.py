@@ -83,6 +83,23 @@ def test_cuda_fp32_linear_matches_reference(t, e, d):
     assert (want.double() - exact).abs().max().item() <= 1e-6 * scale
 
 
+@pytest.mark.parametrize("t", [512, 8192])
+@pytest.mark.parametrize("e,d", [(64, 2048), (256, 6144), (32, 2048), (64, 6144)])   # routers, indexer weights
+def test_cuda_fp32_linear_prefill_split(ck, t, e, d):
+    """From FP32_LINEAR_SPLIT_MIN_ROWS rows the op runs the split-weight tensor-core kernel: within fp32 round-off of
+    the exact dot products (the bound cuBLAS's fp32 GEMM meets), the split kept on the weight, no fallback."""
+    from glm_ray.kernels.torch_ref.linear import fp32_linear as ref
+    g = torch.Generator().manual_seed(t + e)
+    x = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(e, d, generator=g) * d ** -0.5).to(DEV)
+    out = ck.fp32_linear(x, w)
+    assert w._glm_ray_split3.shape == (3, e, d) and not ck.fallbacks
+    exact = x.double() @ w.double().T
+    scale = (x.double().abs() @ w.double().abs().T).max().item()
+    assert (out.double() - exact).abs().max().item() <= 1e-6 * scale
+    assert (ref(x, w).double() - exact).abs().max().item() <= 1e-6 * scale
+
+
 @pytest.mark.parametrize("limit", [None, 7.0])
 @pytest.mark.parametrize("t,i", [(1, 1536), (64, 1536), (2048, 10240), (8, 2048)])
 def test_cuda_swiglu_bit_equal_to_torch(t, i, limit):

@@ -197,6 +197,67 @@ def test_fp32_linear_kernel_matches_reference(t, e, d):
     assert triton_fp32_linear.fp32_linear(x[:0], w).shape == (0, e)
 
 
+def test_split3_is_exact():
+    """The weight's three bf16 parts sum to it exactly in fp32 (router-sized and tiny / huge magnitudes)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 512, generator=g) * torch.logspace(-20, 20, 512)[None, :]
+    p = triton_fp32_linear.split3(w)
+    assert p.shape == (3, 64, 512) and p.dtype == torch.bfloat16
+    assert torch.equal(p[0].float() + p[1].float() + p[2].float(), w)
+    assert torch.equal(p[0].float() + (p[1].float() + p[2].float()), w)
+
+
+@pytest.mark.parametrize("t,e,d", [(70, 64, 256), (33, 12, 200), (130, 40, 96)])
+def test_fp32_linear_split_matches_reference(t, e, d):
+    """The prefill-size path (tensor-core dots of the split weight): the fp32 dot products of the reference, summed
+    in another order — the kernel's error within fp32 round-off of the dot's magnitude, as the SIMT kernel's."""
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, d, generator=g).to(torch.bfloat16)
+    w = torch.randn(e, d, generator=g) / 7
+    out = triton_fp32_linear.fp32_linear_split(x, triton_fp32_linear.split3(w))
+    exact = (x.double() @ w.double().T)                                      # the products and sums in fp64
+    assert out.dtype == torch.float32 and out.shape == (t, e)
+    scale = (x.double().abs() @ w.double().abs().T).max().item()
+    assert (out.double() - exact).abs().max().item() <= 1e-6 * scale
+    assert (ref_fp32_linear(x, w).double() - exact).abs().max().item() <= 1e-6 * scale   # (the bound holds there too)
+    # only the first part: a bf16 weight's GEMM, ~2^-9 relative off — the other two parts are what make it fp32
+    one = triton_fp32_linear.fp32_linear_split(x, torch.stack([w.bfloat16(), w.bfloat16() * 0, w.bfloat16() * 0]))
+    assert (one.double() - exact).abs().max().item() > 100 * (out.double() - exact).abs().max().item()
+    strided = torch.randn(t, 2 * d, generator=g).to(torch.bfloat16)[:, :d]  # row stride 2d
+    assert torch.allclose(triton_fp32_linear.fp32_linear_split(strided, triton_fp32_linear.split3(w)),
+                          ref_fp32_linear(strided, w), rtol=1e-5, atol=1e-5)
+    assert triton_fp32_linear.fp32_linear_split(x[:0], triton_fp32_linear.split3(w)).shape == (0, e)
+
+
+def test_cuda_kernels_route_prefill_sizes_to_the_split(monkeypatch):
+    """CudaKernels.fp32_linear with the device check bypassed: from FP32_LINEAR_SPLIT_MIN_ROWS bf16 rows (and D a
+    multiple of 8) the split kernel runs on parts made once and kept on the weight; fewer rows, fp32 x or an odd D
+    take the other paths."""
+    from glm_ray.kernels.cuda import CudaKernels
+    from glm_ray.kernels.cuda.layout import FP32_LINEAR_SPLIT_MIN_ROWS as MIN_ROWS
+    ck = CudaKernels()
+    if ck.tk is None:
+        pytest.skip(ck.triton_error)
+    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton, op: None)
+    calls = []
+    real = triton_fp32_linear.fp32_linear_split
+    monkeypatch.setattr(triton_fp32_linear, "fp32_linear_split", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(16, 64, generator=g)
+    x = torch.randn(MIN_ROWS, 64, generator=g).to(torch.bfloat16)
+    y = ck.fp32_linear(x, w)
+    parts = w._glm_ray_split3
+    assert calls == [MIN_ROWS] and parts.shape == (3, 16, 64) and not ck.fallbacks
+    assert torch.allclose(y, ref_fp32_linear(x, w), rtol=1e-5, atol=1e-5)
+    ck.fp32_linear(x, w)
+    assert w._glm_ray_split3 is parts and calls == [MIN_ROWS] * 2                # made once
+    ck.fp32_linear(x[:MIN_ROWS - 1], w)
+    ck.fp32_linear(x.float(), w)
+    w_odd = torch.randn(16, 60, generator=g)
+    ck.fp32_linear(x[:, :60], w_odd)
+    assert calls == [MIN_ROWS] * 2
+
+
 triton_swiglu = pytest.importorskip("glm_ray.kernels.cuda.swiglu", reason="triton not importable")
 
 

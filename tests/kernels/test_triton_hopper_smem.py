@@ -90,3 +90,16 @@ def test_moe_prefill_up_two_ctas_an_sm():
     shared = _shared_bytes("glm_ray.kernels.cuda.moe_prefill", "_up_kernel", sig, const, num_warps=8, num_stages=2,
                            maxnreg=128)
     assert 2 * shared <= HOPPER_SMEM, shared
+
+
+@pytest.mark.parametrize("n", [32, 64, 256])
+def test_fp32_linear_split_fits_hopper(n):
+    """The prefill `fp32_linear` kernel (TMA tiles of x and the split weight) at the config it launches with."""
+    from glm_ray.kernels.cuda.layout import fp32_linear_split_config
+    bm, bn, bk, warps, stages = fp32_linear_split_config(8192, n)
+    sig = {"x_desc": f"tensordesc<bf16[{bm}, {bk}]>", "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "o_ptr": "*fp32",
+           "T": "i32", "N": "i32", "stride_ot": "i32", "D": "constexpr", "BM": "constexpr", "BN": "constexpr",
+           "BK": "constexpr", "INTERP": "constexpr"}
+    shared = _shared_bytes("glm_ray.kernels.cuda.fp32_linear", "_fp32_linear_split_kernel", sig,
+                           dict(D=2048, BM=bm, BN=bn, BK=bk, INTERP=False), num_warps=warps, num_stages=stages)
+    assert 0 < shared <= HOPPER_SMEM, shared

@@ -274,6 +274,17 @@ def next_pow2(n: int) -> int:
 # 16.7 us at flash T = 64; 90 vs 25 us at GLM-5 T = 32): its FMAs run on the CUDA cores
 FP32_LINEAR_MAX_FMAS = 6_000_000
 FP32_LINEAR_PROGRAMS = 128  # programs a launch aims at (~one per H200 SM)
+# From this many rows (bf16 / fp16 x: prefill and mixed steps) `fp32_linear` runs on the tensor cores with the weight
+# split into three bf16 parts (fp32_linear.py, `split3`): the session-34 profile of a glm5-flash-31b 8 x 1k step had
+# cuBLAS's fp32 SIMT GEMM (`sm80_xmma_gemm_f32f32`) at 2.7 ms a step (58 us a router call, ~37 TFLOP/s). Below it
+# (decode) the paths measured in session 25 stay. Not measured on a GPU yet.
+FP32_LINEAR_SPLIT_MIN_ROWS = 512
+
+
+def fp32_linear_split_config(T: int, N: int) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, warps, stages) of the split-weight tensor-core kernel: 64-row tiles (at 8k rows and N = 64
+    that is 128 programs: ~one per SM), the outputs in one or a few 64-wide tiles."""
+    return 64, max(16, min(64, next_pow2(N))), 64, 4, 3
 
 
 def fp32_linear_config(T: int, N: int, D: int) -> tuple[int, int, int]:

@@ -35,7 +35,9 @@
   decode, a row per query token with its causal length in prefill — then the multi-program radix select
   of topk.py (GLM_RAY_CUDA_INDEXER_TOPK=torch: torch.topk). Reference when: not CUDA, sm < 80.
 * moe_routing: one Triton kernel (routing.py). Reference when: not CUDA, sm < 70, E > 1024.
-* fp32_linear (router logits, indexer head weights): one Triton launch at decode sizes (fp32_linear.py,
+* fp32_linear (router logits, indexer head weights): at prefill sizes a tensor-core GEMM of the weight split into three
+  bf16 parts (fp32_linear.py `fp32_linear_split`, from layout.FP32_LINEAR_SPLIT_MIN_ROWS rows); one Triton launch at
+  decode sizes (fp32_linear.py,
   T x N x D <= FP32_LINEAR_MAX_FMAS); cuBLAS's fp32 GEMM (the reference) above it and when: not CUDA, sm < 70.
 * swiglu: one Triton launch (swiglu.py; torch runs silu and the product as two). Reference when: not
   CUDA, sm < 80, not bf16/fp16, gate / up not [T, I] with unit last strides.
@@ -587,12 +589,30 @@ class CudaKernels:
 
     def fp32_linear(self, x, weight):
         reason = self._gpu_reason(x, 70, need_triton=True, op="fp32_linear")
+        if (reason is None and x.dim() == 2 and x.dtype == torch.bfloat16 and weight.dtype == torch.float32
+                and x.shape[0] >= L.FP32_LINEAR_SPLIT_MIN_ROWS                # prefill sizes: the tensor cores
+                and x.shape[1] % 8 == 0                                       # TMA rows: 16-byte multiples
+                and self._gpu_reason(x, 90, need_triton=True, op="fp32_linear") is None):
+            from glm_ray.kernels.cuda.fp32_linear import fp32_linear_split  # noqa: PLC0415 (imports triton)
+            w3 = self._split3(weight)
+            return self._guarded("fp32_linear", lambda: fp32_linear_split(x, w3), lambda: ref_fp32_linear(x, weight))
         if reason is not None or x.dim() != 2 or x.shape[0] * weight.shape[0] * weight.shape[1] > L.FP32_LINEAR_MAX_FMAS:
             if reason is not None:
                 self._fallback("fp32_linear", reason)
             return ref_fp32_linear(x, weight)
         from glm_ray.kernels.cuda.fp32_linear import fp32_linear as fast  # noqa: PLC0415 (imports triton)
         return self._guarded("fp32_linear", lambda: fast(x, weight), lambda: ref_fp32_linear(x, weight))
+
+    @staticmethod
+    def _split3(weight: torch.Tensor) -> torch.Tensor:
+        """The weight's three bf16 parts (`fp32_linear.split3`), made on first use and kept on the weight (a
+        loaded parameter: the warm-up steps before graph capture make them outside any graph)."""
+        w3 = getattr(weight, "_glm_ray_split3", None)
+        if w3 is None or w3.shape[1:] != weight.shape or w3.device != weight.device:
+            from glm_ray.kernels.cuda.fp32_linear import split3  # noqa: PLC0415 (imports triton)
+            w3 = split3(weight)
+            weight._glm_ray_split3 = w3
+        return w3
 
     def swiglu(self, gate, up, limit=None):
         reason = (self._gpu_reason(gate, 80, need_triton=True, op="swiglu")
