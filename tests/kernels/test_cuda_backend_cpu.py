@@ -331,22 +331,35 @@ def test_interp_dense_gemms(interp):
 def test_scaled_mm_path_plumbing_with_emulated_gemm(interp, monkeypatch):
     """The `_scaled_mm` branch of block_fp8_linear end to end on CPU: Triton act quant (interpreted)
     into the padded column-major layout, the padded operands recovered from the prepared views, an
-    exact emulation of the blockwise `_scaled_mm`, the un-padding — against the reference."""
+    exact emulation of the blockwise `_scaled_mm`, the un-padding — against the reference. With `out=`: where
+    the padded operands' shape is the output's (rows a multiple of SCALED_MM_M_ALIGN, N of 128) `_scaled_mm` gets
+    `out` itself, else its padded result is copied in; both write `out`'s rows only."""
     from glm_ray.kernels.cuda import CudaKernels
+    direct = []
 
-    def scaled_mm(xq, xs, wp, sp):                                   # [Mp, Kp] x [Np, Kp] -> [Mp, Np] bf16
+    def scaled_mm(xq, xs, wp, sp, out=None):                         # [Mp, Kp] x [Np, Kp] -> [Mp, Np] bf16
         a = xq.float() * xs.repeat_interleave(128, 1)
-        return (a @ dequant_block_fp8(wp, sp).T).to(BF16)
+        y = (a @ dequant_block_fp8(wp, sp).T).to(BF16)
+        direct.append(out is not None)
+        return y if out is None else out.copy_(y)
     monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton, op: None)
-    monkeypatch.setattr(CudaKernels, "_scaled_mm", lambda self, *a: scaled_mm(*a))
+    monkeypatch.setattr(CudaKernels, "_scaled_mm", lambda self, *a, **kw: scaled_mm(*a, **kw))
     monkeypatch.setattr(CudaKernels, "_scaled_mm_ok", lambda self, wp, sp: True)   # its GPU self-check
     ck = CudaKernels()
+    ck.small_m = 0                                                   # (5 or 8 rows: the _scaled_mm branch)
     for n, k in ((200, 300), (256, 768)):                            # N and K padded / K padded to 1024
-        x, w, s = dense_fp8_case(5, n, k)
-        wv, sv, meta = ck.block_fp8_linear_prepare(w, s)
-        want = ref_block_fp8_linear(x.to(BF16), w, s, out_dtype=torch.float32)
-        y = ck.block_fp8_linear(x.to(BF16), wv, sv, (128, 128), out_dtype=BF16, **meta)
-        assert y.shape == (5, n) and rel_err(y, want) < 8e-3 and not ck.fallbacks
+        for m in (5, 8):
+            x, w, s = dense_fp8_case(m, n, k)
+            wv, sv, meta = ck.block_fp8_linear_prepare(w, s)
+            want = ref_block_fp8_linear(x.to(BF16), w, s, out_dtype=torch.float32)
+            y = ck.block_fp8_linear(x.to(BF16), wv, sv, (128, 128), out_dtype=BF16, **meta)
+            assert y.shape == (m, n) and rel_err(y, want) < 8e-3 and not ck.fallbacks
+            store = torch.full((m + 3, n), float("nan"), dtype=BF16)
+            direct.clear()
+            got = ck.block_fp8_linear(x.to(BF16), wv, sv, (128, 128), out_dtype=BF16, out=store[1:1 + m], **meta)
+            assert got.data_ptr() == store[1].data_ptr() and torch.equal(store[1:1 + m], y)
+            assert store[0].isnan().all() and store[1 + m:].isnan().all()
+            assert direct == [(m % 4 == 0) and n % 128 == 0]             # unpadded: straight into out
 
 
 def _mhc_case(T, n, seed=0):
