@@ -153,6 +153,11 @@ CUDA_KDA_SCAN: EnvVar[str] = EnvVar(
     "Flash's chunked KDA prefill (op kda_chunked): a Triton launch per batch of chunks that walks them with the "
     "state in registers (kernels/cuda/kda.py, interpreter-tested, not yet run on a GPU) or the torch reference's "
     "loop over 64-token chunks (~8 launches each)")
+CUDA_MLA_PREFILL_TMA: EnvVar[bool] = EnvVar(
+    "GLM_RAY_CUDA_MLA_PREFILL_TMA", _bool, False, "cuda backend: the MLA prefill kernel loads its key tiles (k_nope, "
+    "v, k_pe) as TMA boxes through tensor descriptors instead of pointer tiles (kernels/cuda/mla_prefill.py; compiled "
+    "for sm_90a its pointer form holds 255 registers and spills ~1.1 KB a thread; interpreter-tested, not yet run on "
+    "a GPU)", "bool")
 LOG_TRITON_COMPILES: EnvVar[bool] = EnvVar(
     "GLM_RAY_LOG_TRITON_COMPILES", _bool, False, "cuda backend: log every Triton JIT compile (kernel, "
     "seconds, specialization; kernels/cuda/compile_log.py): a compile inside a step stalls it for seconds", "bool")
@@ -203,7 +208,7 @@ LOG_LEVEL: EnvVar[str] = EnvVar(
 ALL: tuple[EnvVar, ...] = (API_KEY, FP8_PROJ_GEMM, FP8_PROJ_FORCE, CACHE, CPU_THREADS, ORCHESTRATION,
                            TIME_COLLECTIVES, STEP_TIMELINE, TORCH_OPS, CUDA_FP8_GEMM, CUDA_FP8_SMALL_M,
                            CUDA_MOE_DECODE_PAIRS, CUDA_MOE_PREFILL_ROWS, SIDE_STREAM_TOKENS, ABSORB_PREFILL_TOKENS,
-                           CUDA_INDEXER_TOPK, CUDA_KDA_SCAN,
+                           CUDA_INDEXER_TOPK, CUDA_KDA_SCAN, CUDA_MLA_PREFILL_TMA,
                            LOG_TRITON_COMPILES, KERNEL_WARMUP, LATE_SCHEDULING, STEP_TIMEOUT_S, FAULT_INJECTION,
                            TEST_FORCED_OUTPUT, GRAMMAR_THREADS, GRAMMAR_CACHE_MB, LOG_STATS_INTERVAL_S, LOG_LEVEL)
 

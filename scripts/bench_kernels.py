@@ -348,7 +348,7 @@ def bench_prefill_fp32_linear(rows, ts=(512, 2048, 8192)):
     replays. Bytes: x, the weight (three bf16 parts / fp32), y."""
     import torch.nn.functional as F
 
-    from glm_ray.kernels.cuda.fp32_linear import fp32_linear_split, split3
+    from glm_ray.kernels.cuda.fp32_split import fp32_linear_split, split3
     for name, e, d in (("flash.router", 64, 2048), ("flash.index_w", 32, 2048), ("glm5.router", 256, 6144),
                        ("glm5.index_w", 64, 6144)):
         w = torch.randn(e, d, device=DEV) * d ** -0.5

@@ -26,7 +26,8 @@
 #                 (B = 1 / 64, context 1k / 8k, glm5-flash-31b): the step as a whole after host-side changes
 #   PART=s41      session 41's unmeasured work: its GPU tests (the carry written in place: block_fp8_linear out=,
 #                 mla_prefill out=, rms_norm in_place; piecewise graphs; prefill MoE; fp32_linear's split path), the
-#                 prefill fp32_linear (bench_kernels --prefill-fp32-linear), the prefill MoE kernels with two CTAs an
+#                 prefill fp32_linear (bench_kernels --prefill-fp32-linear), the MLA prefill kernel's key tiles as TMA
+#                 boxes (bench.attention --key-loads pointer tma), the prefill MoE kernels with two CTAs an
 #                 SM (bench.moe_prefill --path new, ':r128' configs), bench.prefill piecewise 8x1k / 1x8k with its
 #                 device-op table (the memcpy rows and the fp32 SIMT GEMM should be gone; README "Performance")
 #   PART=all      tests, prefill, grammar, indexer, mixed, orch, firstuse, step
@@ -148,6 +149,10 @@ if [ $PART = s41 ]; then
   echo "== bench_kernels --prefill-fp32-linear (split-weight tensor-core kernel vs cuBLAS fp32)" >> $S
   timeout ${K_LIM:-90} python3 scripts/bench_kernels.py --prefill-fp32-linear --out $OUT/fp32_linear.json \
      > $OUT/fp32_linear.log 2>&1; echo "rc=$?" >> $S; grep "^prefill" $OUT/fp32_linear.log >> $S
+  echo "== bench.attention --mode prefill: key tiles as pointer tiles vs TMA boxes" >> $S
+  timeout ${ATT_LIM:-200} python3 -m glm_ray.bench.attention --mode prefill --heads 32 64 \
+     --prefill-shapes 8x1024 1x8192 --no-reference --key-loads pointer tma --json $OUT/attn_tma.jsonl \
+     > $OUT/attn_tma.log 2>&1; echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/attn_tma.log | tail -14 >> $S
   echo "== bench.moe_prefill new kernels: one vs two CTAs an SM" >> $S
   timeout ${MOE_LIM:-200} python3 -m glm_ray.bench.moe_prefill --geo flash glm5 --mode fp8 --tokens 2048 8192 --path new \
      --new-configs default ${MOE_NEW_CONFIGS:-64:256:128:128:8:8:2:tma 64:256:128:128:8:8:2:tma:r128 64:256:128:128:8:8:3:tma:r128} \

@@ -50,6 +50,9 @@ DEFERRED = {
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.routing"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.swiglu"): "triton, only on the cuda backend",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.fp32_linear"): "triton, only on the cuda backend",
+    ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.tma"): "triton's tensor descriptors: NVIDIA only, opt-in "
+                                                               "(GLM_RAY_CUDA_MLA_PREFILL_TMA)",
+    ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.fp32_split"): "triton + tensor descriptors: NVIDIA only",
     ("glm_ray.kernels.cuda.ops", "glm_ray.kernels.cuda.fp8_small_m"): "triton, only on the cuda backend",
     ("glm_ray.bench.indexer", "glm_ray.kernels.cuda.indexer"): "triton: `--help` works without it",
     ("glm_ray.bench.indexer", "glm_ray.kernels.cuda.mla_prefill"): "triton: `--help` works without it",

@@ -148,6 +148,27 @@ def test_writes_into_out(cuda_ops, sparse):
 
 
 @pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("h,dims", [(32, GLM5), (64, FLASH53)], ids=["flash31b-h32", "glm53-h64"])
+def test_tma_key_loads(h, dims, sparse):
+    """GLM_RAY_CUDA_MLA_PREFILL_TMA: key tiles as TMA boxes == pointer tiles (the same MMAs on the same values; rows
+    past a context are masked; bounded at two bf16 ulps in case the two layouts pick other MMA shapes — a wrong row
+    or column is O(1) off), whole and in key chunks (descriptors per chunk); and within the reference's bound."""
+    from glm_ray.kernels.cuda import mla_prefill as mp  # noqa: PLC0415 (imports triton)
+    from glm_ray.kernels.cuda.tma import mla_key_descriptors  # noqa: PLC0415
+    q, cache, w, groups = make_step(*STEPS["mixed"], h, **dims, seed=41 + h)
+    kw = dict(kv_lora_rank=R, v_head_dim=dims["dv"], scale=q.shape[-1] ** -0.5)
+    for mb in (1 << 30, 64 << 20):
+        for gi, grp in enumerate(groups):
+            sel = topk_selection(grp, seed=gi) if sparse else None
+            ptr = mp.mla_prefill_group(q, cache, grp, sel, lambda x: F.linear(x, w), max_bytes=mb, **kw)
+            tma = mp.mla_prefill_group(q, cache, grp, sel, lambda x: F.linear(x, w), max_bytes=mb,
+                                       key_descriptors=mla_key_descriptors, **kw)
+            torch.testing.assert_close(tma.float(), ptr.float(), rtol=2 ** -7, atol=2 ** -7)
+            ref = ref_mla_prefill(q.float(), cache.float(), grp, sel, lambda x: F.linear(x.to(BF16), w).float(), **kw)
+            assert float((tma.float() - ref).norm() / ref.norm()) <= 1e-2
+
+
+@pytest.mark.parametrize("sparse", [False, True])
 def test_key_chunks(cuda_ops, sparse):
     # 64 MiB of expanded keys at h = 32: the 8k contexts take several chunks
     q, cache, w, groups = make_step(*STEPS["mixed"], 32, **GLM5, seed=7)

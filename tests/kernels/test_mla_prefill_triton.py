@@ -280,3 +280,37 @@ def test_writes_into_a_strided_out_view():
         assert rel_err(dst, own) <= 1e-5
         assert store[:2].isnan().all() and store[2 + Tg:].isnan().all() and store[:, H:].isnan().all()
         assert store[:, :, dv:].isnan().all()
+
+
+@pytest.mark.parametrize("case", ["dense", "chunked-prefix", "sparse", "key-chunks", "nope"])
+def test_tma_key_loads_equal_pointer_tiles(case):
+    """`key_tma` (GLM_RAY_CUDA_MLA_PREFILL_TMA): the key tiles load as TMA boxes through tensor descriptors — rows
+    past a context and box columns past dn2 / dv read real neighbouring data (or zeros past the buffer) that the masks
+    and the zero query columns must cancel. Bit for bit the pointer tiles' output, and within the reference's bound:
+    dense, a chunk over a cached prefix, DSA-sparse, several key chunks, and the NoPE head (no rope part)."""
+    dims = dict(dn=64, dr=0, dv=64) if case == "nope" else {}
+    s = make_step([17, 9, 33, 5] if case != "chunked-prefix" else [9, 20, 3, 16],
+                  [17, 30, 33, 5] if case != "chunked-prefix" else [39, 27, 48, 32], 4, seed=31, **dims)
+    kv_b = lambda x: x @ s["w"].T                                            # noqa: E731
+    g0 = s["groups"][0]
+    per_pos = g0.num_seqs * ((R + s["dr"] + H * (s["dn"] + s["dv"])) * 4 + 8)
+    max_bytes = 16 * per_pos if case == "key-chunks" else BIG                # 16 key positions a chunk: 3 chunks
+    assert (mp.chunk_keys(g0.num_seqs, H, s["dn"], s["dv"], R + s["dr"], 4, max_bytes, 16, g0.max_context_len)
+            < g0.max_context_len) == (case == "key-chunks")
+    kw = dict(kv_lora_rank=R, v_head_dim=s["dv"], scale=0.1, config=SMALL, max_bytes=max_bytes)
+    from glm_ray.kernels.cuda.tma import mla_key_descriptors
+    made = []
+
+    def descs(*a):
+        made.append(1)
+        return mla_key_descriptors(*a)
+    for g in s["groups"]:
+        sel = make_selection(g, 6, seed=2) if case == "sparse" else None
+        ptr = mp.mla_prefill_group(s["q"], s["kv_cache"], g, sel, kv_b, **kw)
+        made.clear()
+        tma = mp.mla_prefill_group(s["q"], s["kv_cache"], g, sel, kv_b, key_descriptors=descs, **kw)
+        keys = mp.chunk_keys(g.num_seqs, H, s["dn"], s["dv"], R + s["dr"], 4, max_bytes, 16, g.max_context_len)
+        assert len(made) == -(-g.max_context_len // keys)                    # descriptors per key chunk: TMA ran
+        assert torch.equal(tma, ptr)
+        ref = attention.mla_prefill(s["q"], s["kv_cache"], g, sel, kv_b, kv_lora_rank=R, v_head_dim=s["dv"], scale=0.1)
+        assert rel_err(tma, ref) <= 1e-5

@@ -197,11 +197,14 @@ def test_fp32_linear_kernel_matches_reference(t, e, d):
     assert triton_fp32_linear.fp32_linear(x[:0], w).shape == (0, e)
 
 
+fp32_split = pytest.importorskip("glm_ray.kernels.cuda.fp32_split", reason="triton not importable")
+
+
 def test_split3_is_exact():
     """The weight's three bf16 parts sum to it exactly in fp32 (router-sized and tiny / huge magnitudes)."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(64, 512, generator=g) * torch.logspace(-20, 20, 512)[None, :]
-    p = triton_fp32_linear.split3(w)
+    p = fp32_split.split3(w)
     assert p.shape == (3, 64, 512) and p.dtype == torch.bfloat16
     assert torch.equal(p[0].float() + p[1].float() + p[2].float(), w)
     assert torch.equal(p[0].float() + (p[1].float() + p[2].float()), w)
@@ -214,19 +217,19 @@ def test_fp32_linear_split_matches_reference(t, e, d):
     g = torch.Generator().manual_seed(t)
     x = torch.randn(t, d, generator=g).to(torch.bfloat16)
     w = torch.randn(e, d, generator=g) / 7
-    out = triton_fp32_linear.fp32_linear_split(x, triton_fp32_linear.split3(w))
+    out = fp32_split.fp32_linear_split(x, fp32_split.split3(w))
     exact = (x.double() @ w.double().T)                                      # the products and sums in fp64
     assert out.dtype == torch.float32 and out.shape == (t, e)
     scale = (x.double().abs() @ w.double().abs().T).max().item()
     assert (out.double() - exact).abs().max().item() <= 1e-6 * scale
     assert (ref_fp32_linear(x, w).double() - exact).abs().max().item() <= 1e-6 * scale   # (the bound holds there too)
     # only the first part: a bf16 weight's GEMM, ~2^-9 relative off — the other two parts are what make it fp32
-    one = triton_fp32_linear.fp32_linear_split(x, torch.stack([w.bfloat16(), w.bfloat16() * 0, w.bfloat16() * 0]))
+    one = fp32_split.fp32_linear_split(x, torch.stack([w.bfloat16(), w.bfloat16() * 0, w.bfloat16() * 0]))
     assert (one.double() - exact).abs().max().item() > 100 * (out.double() - exact).abs().max().item()
     strided = torch.randn(t, 2 * d, generator=g).to(torch.bfloat16)[:, :d]  # row stride 2d
-    assert torch.allclose(triton_fp32_linear.fp32_linear_split(strided, triton_fp32_linear.split3(w)),
+    assert torch.allclose(fp32_split.fp32_linear_split(strided, fp32_split.split3(w)),
                           ref_fp32_linear(strided, w), rtol=1e-5, atol=1e-5)
-    assert triton_fp32_linear.fp32_linear_split(x[:0], triton_fp32_linear.split3(w)).shape == (0, e)
+    assert fp32_split.fp32_linear_split(x[:0], fp32_split.split3(w)).shape == (0, e)
 
 
 def test_cuda_kernels_route_prefill_sizes_to_the_split(monkeypatch):
@@ -240,8 +243,8 @@ def test_cuda_kernels_route_prefill_sizes_to_the_split(monkeypatch):
         pytest.skip(ck.triton_error)
     monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton, op: None)
     calls = []
-    real = triton_fp32_linear.fp32_linear_split
-    monkeypatch.setattr(triton_fp32_linear, "fp32_linear_split", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = fp32_split.fp32_linear_split
+    monkeypatch.setattr(fp32_split, "fp32_linear_split", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     g = torch.Generator().manual_seed(9)
     w = torch.randn(16, 64, generator=g)
     x = torch.randn(MIN_ROWS, 64, generator=g).to(torch.bfloat16)

@@ -100,6 +100,6 @@ def test_fp32_linear_split_fits_hopper(n):
     sig = {"x_desc": f"tensordesc<bf16[{bm}, {bk}]>", "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "o_ptr": "*fp32",
            "T": "i32", "N": "i32", "stride_ot": "i32", "D": "constexpr", "BM": "constexpr", "BN": "constexpr",
            "BK": "constexpr", "INTERP": "constexpr"}
-    shared = _shared_bytes("glm_ray.kernels.cuda.fp32_linear", "_fp32_linear_split_kernel", sig,
+    shared = _shared_bytes("glm_ray.kernels.cuda.fp32_split", "_fp32_linear_split_kernel", sig,
                            dict(D=2048, BM=bm, BN=bn, BK=bk, INTERP=False), num_warps=warps, num_stages=stages)
     assert 0 < shared <= HOPPER_SMEM, shared

@@ -207,28 +207,71 @@ def _attend_tile(acc, m_i, l_i, q1, q2, qpe, kv_rows, pe_rows, kmask, smask, qk_
                  DN1: tl.constexpr, DN2: tl.constexpr, BLOCK_DN2: tl.constexpr, DR: tl.constexpr,
                  BLOCK_DR: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
                  INTERP: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] step of the online softmax: s = q . k (nope parts + rope part), p, acc."""
+    """One [BLOCK_M, BLOCK_N] step of the online softmax over key rows loaded through pointer tiles."""
     d1 = tl.arange(0, DN1)
     k1 = tl.load(kv_rows + d1[None, :], mask=kmask[:, None], other=0.0)       # [BN, DN1]
-    if INTERP:
-        k1 = k1.to(tl.float32)
-    s = tl.dot(q1, tl.trans(k1))                                              # [BM, BN]
+    k2 = k1
+    kp = k1
     if DN2 > 0:
         d2 = tl.arange(0, BLOCK_DN2)
         k2 = tl.load(kv_rows + DN1 + d2[None, :], mask=kmask[:, None] & (d2 < DN2)[None, :], other=0.0)
-        if INTERP:
-            k2 = k2.to(tl.float32)
-        s = tl.dot(q2, tl.trans(k2), s)
     if DR > 0:
         dp = tl.arange(0, BLOCK_DR)
         kp = tl.load(pe_rows + dp[None, :], mask=kmask[:, None] & (dp < DR)[None, :], other=0.0)
-        if INTERP:
-            kp = kp.to(tl.float32)
-        s = tl.dot(qpe, tl.trans(kp), s)
     dv = tl.arange(0, BLOCK_DV)
     v = tl.load(kv_rows + DN1 + DN2 + dv[None, :], mask=kmask[:, None] & (dv < DV)[None, :], other=0.0)
+    return _softmax_step(acc, m_i, l_i, q1, q2, qpe, k1, k2, kp, v, smask, qk_scale, DN2, DR, MASKED, INTERP)
+
+
+@triton.jit
+def _attend_tile_tma(acc, m_i, l_i, q1, q2, qpe, k1_desc, k2_desc, v_desc, pe_desc, krow, col, pe_col, smask,
+                     qk_scale, DN1: tl.constexpr, DN2: tl.constexpr, DR: tl.constexpr, MASKED: tl.constexpr,
+                     INTERP: tl.constexpr):
+    """The same step over key rows loaded as TMA boxes (`key_descriptors`): rows krow.. of the expanded keys at column col
+    (this head's k_nope | v), the rope part at pe_col of the gathered rows. Rows past the context (a later
+    sequence's, or zeros past the buffer) are masked out of s by smask (their p is 0); box columns past DN2 / DR
+    meet zero query columns."""
+    k1 = k1_desc.load([krow, col])                                            # [BN, DN1]
+    k2 = k1
+    kp = k1
+    if DN2 > 0:
+        k2 = k2_desc.load([krow, col + DN1])                                  # [BN, BLOCK_DN2]
+    if DR > 0:
+        kp = pe_desc.load([krow, pe_col])                                     # [BN, BLOCK_DR]
+    v = v_desc.load([krow, col + DN1 + DN2])                                  # [BN, BLOCK_DV]
+    return _softmax_step(acc, m_i, l_i, q1, q2, qpe, k1, k2, kp, v, smask, qk_scale, DN2, DR, MASKED, INTERP)
+
+
+@triton.jit
+def _attend_keys(acc, m_i, l_i, q1, q2, qpe, kv_head, pe_ptr, krow, stride_kvn, stride_pe, descs, krow0, col, kmask,
+                 smask, qk_scale, DN1: tl.constexpr, DN2: tl.constexpr,
+                 BLOCK_DN2: tl.constexpr, DR: tl.constexpr, BLOCK_DR: tl.constexpr, DV: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr):
+    """One key tile [krow0, krow0 + BLOCK_N) of this head: TMA boxes (`descs` = (k1, k2, v, pe) descriptors) or
+    pointer tiles."""
+    if TMA:
+        k1_desc, k2_desc, v_desc, pe_desc = descs
+        return _attend_tile_tma(acc, m_i, l_i, q1, q2, qpe, k1_desc, k2_desc, v_desc, pe_desc, krow0, col, 0, smask,
+                                qk_scale, DN1, DN2, DR, MASKED, INTERP)
+    return _attend_tile(acc, m_i, l_i, q1, q2, qpe, kv_head + krow[:, None] * stride_kvn,
+                        pe_ptr + krow[:, None] * stride_pe, kmask, smask, qk_scale,
+                        DN1, DN2, BLOCK_DN2, DR, BLOCK_DR, DV, BLOCK_DV, MASKED, INTERP)
+
+
+@triton.jit
+def _softmax_step(acc, m_i, l_i, q1, q2, qpe, k1, k2, kp, v, smask, qk_scale, DN2: tl.constexpr, DR: tl.constexpr,
+                  MASKED: tl.constexpr, INTERP: tl.constexpr):
+    """s = q . k (nope parts + rope part), the online-softmax update, acc += p . v."""
     if INTERP:
+        k1 = k1.to(tl.float32)
+        k2 = k2.to(tl.float32)
+        kp = kp.to(tl.float32)
         v = v.to(tl.float32)
+    s = tl.dot(q1, tl.trans(k1))                                              # [BM, BN]
+    if DN2 > 0:
+        s = tl.dot(q2, tl.trans(k2), s)
+    if DR > 0:
+        s = tl.dot(qpe, tl.trans(kp), s)
     s = s * qk_scale                                                          # base-2 logits
     if MASKED:
         s = tl.where(smask, s, float("-inf"))
@@ -243,12 +286,13 @@ def _attend_tile(acc, m_i, l_i, q1, q2, qpe, kv_rows, pe_rows, kmask, smask, qk_
 @triton.jit(do_not_specialize=['K0', 'K1', 'WORDS'])   # sizes that change per step: no recompiles (cuda/__init__)
 def _prefill_kernel(q_ptr, tok_ptr, kv_ptr, pe_ptr, bits_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
                     cu_q_ptr, ql_ptr, cl_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr,
+                    k1_desc, k2_desc, v_desc, pe_desc,
                     H, K0, K1, WORDS, qk_scale,
                     stride_qt, stride_qh, stride_kvn, stride_kvh, stride_pe, stride_ot, stride_oh,
                     DN1: tl.constexpr, DN2: tl.constexpr, BLOCK_DN2: tl.constexpr, DR: tl.constexpr,
                     BLOCK_DR: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr,
-                    SKIP_EMPTY: tl.constexpr, BNW: tl.constexpr,
+                    SKIP_EMPTY: tl.constexpr, BNW: tl.constexpr, TMA: tl.constexpr,
                     FIRST: tl.constexpr, LAST: tl.constexpr, INTERP: tl.constexpr):
     t = tl.program_id(0)
     hd = tl.program_id(1)
@@ -298,6 +342,8 @@ def _prefill_kernel(q_ptr, tok_ptr, kv_ptr, pe_ptr, bits_ptr, o_ptr, m_ptr, l_pt
         acc = tl.load(acc_ptr + st[:, None] * DV + dv[None, :], mask=rmask[:, None] & (dv < DV)[None, :], other=0.0)
 
     kv_head = kv_ptr + hd * stride_kvh
+    col = hd * (DN1 + DN2 + DV)                                               # this head's k_nope | v (TMA)
+    descs = (k1_desc, k2_desc, v_desc, pe_desc)
     if SPARSE:
         for n0 in range(K0, hi, BLOCK_N):
             kpos = n0 + tl.arange(0, BLOCK_N)                                 # [BN] positions
@@ -316,13 +362,13 @@ def _prefill_kernel(q_ptr, tok_ptr, kv_ptr, pe_ptr, bits_ptr, o_ptr, m_ptr, l_pt
             krow = (ks + kpos - K0).to(tl.int64)
             if SKIP_EMPTY:
                 if tl.max(tl.max(smask.to(tl.int32), 1), 0) > 0:              # a tile nobody picked: skip
-                    acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q1, q2, qpe, kv_head + krow[:, None] * stride_kvn,
-                                                 pe_ptr + krow[:, None] * stride_pe, kmask, smask, qk_scale,
-                                                 DN1, DN2, BLOCK_DN2, DR, BLOCK_DR, DV, BLOCK_DV, True, INTERP)
+                    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q1, q2, qpe, kv_head, pe_ptr, krow, stride_kvn, stride_pe,
+                                                 descs, ks + n0 - K0, col, kmask, smask, qk_scale, DN1, DN2, BLOCK_DN2, DR,
+                                                 BLOCK_DR, DV, BLOCK_DV, True, TMA, INTERP)
             else:                                                             # branch-free: the loads pipeline
-                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q1, q2, qpe, kv_head + krow[:, None] * stride_kvn,
-                                             pe_ptr + krow[:, None] * stride_pe, kmask, smask, qk_scale,
-                                             DN1, DN2, BLOCK_DN2, DR, BLOCK_DR, DV, BLOCK_DV, True, INTERP)
+                acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q1, q2, qpe, kv_head, pe_ptr, krow, stride_kvn, stride_pe,
+                                             descs, ks + n0 - K0, col, kmask, smask, qk_scale, DN1, DN2, BLOCK_DN2, DR,
+                                             BLOCK_DR, DV, BLOCK_DV, True, TMA, INTERP)
     else:
         # tiles whose keys are all <= the tile's first position: every row sees all of them, no mask
         full = tl.maximum(tl.minimum((first + 1) // BLOCK_N * BLOCK_N, hi), K0)
@@ -330,17 +376,17 @@ def _prefill_kernel(q_ptr, tok_ptr, kv_ptr, pe_ptr, bits_ptr, o_ptr, m_ptr, l_pt
             kpos = n0 + tl.arange(0, BLOCK_N)
             kmask = kpos < hi
             krow = (ks + kpos - K0).to(tl.int64)
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q1, q2, qpe, kv_head + krow[:, None] * stride_kvn,
-                                         pe_ptr + krow[:, None] * stride_pe, kmask, kmask[None, :], qk_scale,
-                                         DN1, DN2, BLOCK_DN2, DR, BLOCK_DR, DV, BLOCK_DV, False, INTERP)
+            acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q1, q2, qpe, kv_head, pe_ptr, krow, stride_kvn, stride_pe,
+                                         descs, ks + n0 - K0, col, kmask, kmask[None, :], qk_scale, DN1, DN2, BLOCK_DN2, DR,
+                                         BLOCK_DR, DV, BLOCK_DV, False, TMA, INTERP)
         for n0 in range(full, hi, BLOCK_N):                                   # the diagonal tiles
             kpos = n0 + tl.arange(0, BLOCK_N)
             kmask = kpos < hi
             smask = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
             krow = (ks + kpos - K0).to(tl.int64)
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q1, q2, qpe, kv_head + krow[:, None] * stride_kvn,
-                                         pe_ptr + krow[:, None] * stride_pe, kmask, smask, qk_scale,
-                                         DN1, DN2, BLOCK_DN2, DR, BLOCK_DR, DV, BLOCK_DV, True, INTERP)
+            acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q1, q2, qpe, kv_head, pe_ptr, krow, stride_kvn, stride_pe,
+                                         descs, ks + n0 - K0, col, kmask, smask, qk_scale, DN1, DN2, BLOCK_DN2, DR,
+                                         BLOCK_DR, DV, BLOCK_DV, True, TMA, INTERP)
 
     omask = rmask[:, None] & (dv < DV)[None, :]
     if LAST:
@@ -377,7 +423,8 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
                        plan: PrefillPlan, *, kv_lora_rank: int, v_head_dim: int, scale: float,
                        indices: torch.Tensor | None = None, bits: torch.Tensor | None = None,
                        config: tuple[int, int, int, int] | None = None,
-                       tiles: SparseTiles = SparseTiles(), out: torch.Tensor | None = None) -> torch.Tensor:
+                       tiles: SparseTiles = SparseTiles(), out: torch.Tensor | None = None,
+                       key_descriptors: Callable | None = None) -> torch.Tensor:
     """Naive MLA prefill of the group `plan` describes.
 
     q [T, h, dn+dr] rows of the whole step (bf16/fp16; unit last stride); kv_cache [S, r+dr] same
@@ -387,7 +434,9 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
     / 32)] int32 the kernel reads (`SelectionBits.bits`, packed rows; no index list to convert). config: (BLOCK_M, BLOCK_N, num_warps, num_stages),
     BLOCK_M / BLOCK_N equal to the plan's; tiles: the sparse walk (`SparseTiles`). Returns o [Tg, h, dv]
     in q.dtype, in the packed order: `out` when given (any row / head strides, unit last stride), which the kernel
-    writes directly.
+    writes directly. key_descriptors: the key tiles (k_nope, v, k_pe) load as TMA boxes through the host-side tensor
+    descriptors this makes (`tma.mla_key_descriptors`, NVIDIA only) instead of pointer tiles, where the buffers'
+    strides allow (`key_tma_ok`).
     """
     T, h, dq = q.shape
     r, dv = kv_lora_rank, v_head_dim
@@ -433,20 +482,32 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
         if kv.stride(-1) != 1:
             kv = kv.contiguous()
         pe = rows[:, r:] if dr else rows                                      # [N, dr] shared by heads
+        descs = None
+        if key_descriptors is not None and key_tma_ok(kv, pe):
+            descs = key_descriptors(kv, pe, block_n, dn1, consts["BLOCK_DN2"], consts["BLOCK_DR"], consts["BLOCK_DV"])
         _prefill_kernel[(plan.num_tiles, h)](
             q, plan.token_index, kv, pe, bits, out, m_st, l_st, acc_st,
             plan.cu_q, plan.query_lens, plan.context_lens, ch.cu_k, plan.tile_seq, plan.tile_start,
+            *(descs or (None,) * 4),
             h, ch.k0, ch.k1, words, float(scale) * LOG2E,
             q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), rows.stride(0), out.stride(0), out.stride(1),
-            FIRST=ci == 0, LAST=ci == n_chunks - 1, **consts)
+            TMA=descs is not None, FIRST=ci == 0, LAST=ci == n_chunks - 1, **consts)
     return out
+
+
+def key_tma_ok(kv: torch.Tensor, pe: torch.Tensor) -> bool:
+    """Host-side tensor descriptors need 16-byte aligned bases and row strides (and unit last strides)."""
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               for t in (kv, pe))
+
 
 
 def mla_prefill_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup,
                       selection: torch.Tensor | SelectionBits | None,
                       kv_b: Callable[[torch.Tensor], torch.Tensor], *, kv_lora_rank: int, v_head_dim: int,
                       scale: float, max_bytes: int, config: tuple[int, int, int, int] | None = None,
-                      tiles: SparseTiles = SparseTiles(), out: torch.Tensor | None = None) -> torch.Tensor:
+                      tiles: SparseTiles = SparseTiles(), out: torch.Tensor | None = None,
+                      key_descriptors: Callable | None = None) -> torch.Tensor:
     """The `mla_prefill` op on one group (the torch reference's arguments; selection None, int32 indices
     [B, Qmax, k] or the indexer's `SelectionBits`; `out` the [Tg, h, dv] destination). The group's plan is built
     on first use and shared by every layer."""
@@ -462,7 +523,7 @@ def mla_prefill_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup,
     bits = selection.bits if isinstance(selection, SelectionBits) else None
     return mla_prefill_varlen(q, kv_cache, kv_b, plan, kv_lora_rank=r, v_head_dim=dv, scale=scale,
                               indices=selection if bits is None else None, bits=bits, config=cfg, tiles=tiles,
-                              out=out)
+                              out=out, key_descriptors=key_descriptors)
 
 
 __all__ = ["KeyChunk", "PrefillPlan", "SparseTiles", "chunk_keys", "mla_prefill_group", "mla_prefill_varlen", "prefill_plan",

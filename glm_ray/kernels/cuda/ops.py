@@ -36,7 +36,7 @@
   of topk.py (GLM_RAY_CUDA_INDEXER_TOPK=torch: torch.topk). Reference when: not CUDA, sm < 80.
 * moe_routing: one Triton kernel (routing.py). Reference when: not CUDA, sm < 70, E > 1024.
 * fp32_linear (router logits, indexer head weights): at prefill sizes a tensor-core GEMM of the weight split into three
-  bf16 parts (fp32_linear.py `fp32_linear_split`, from layout.FP32_LINEAR_SPLIT_MIN_ROWS rows); one Triton launch at
+  bf16 parts (fp32_split.py, NVIDIA only, from layout.FP32_LINEAR_SPLIT_MIN_ROWS rows); one Triton launch at
   decode sizes (fp32_linear.py,
   T x N x D <= FP32_LINEAR_MAX_FMAS); cuBLAS's fp32 GEMM (the reference) above it and when: not CUDA, sm < 70.
 * swiglu: one Triton launch (swiglu.py; torch runs silu and the product as two). Reference when: not
@@ -172,6 +172,7 @@ class CudaKernels:
         self.moe_decode_pairs = envs.CUDA_MOE_DECODE_PAIRS.get() if self.tk is not None else 0
         self.moe_prefill_rows = envs.CUDA_MOE_PREFILL_ROWS.get() if self.tk is not None else 0
         self.kda_scan = envs.CUDA_KDA_SCAN.get()                     # "triton" | "torch" (kda_chunked)
+        self.mla_key_tma = envs.CUDA_MLA_PREFILL_TMA.get()            # mla_prefill's key tiles as TMA boxes
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def _warn_once(self, key: str, msg: str, *args, level=logging.WARNING) -> None:
@@ -553,7 +554,11 @@ class CudaKernels:
             self._fallback("mla_prefill", reason)
             return slow()
         from glm_ray.kernels.cuda.mla_prefill import mla_prefill_group  # noqa: PLC0415 (imports triton)
-        return self._guarded("mla_prefill", lambda: mla_prefill_group(q, kv_cache, group, selection, kv_b, **kw), slow)
+        descs = None
+        if self.mla_key_tma and not getattr(torch.version, "hip", None):  # TMA: NVIDIA only
+            from glm_ray.kernels.cuda.tma import mla_key_descriptors as descs  # noqa: PLC0415 (imports triton)
+        return self._guarded("mla_prefill", lambda: mla_prefill_group(q, kv_cache, group, selection, kv_b,
+                                                                      key_descriptors=descs, **kw), slow)
 
     def indexer_topk(self, qi, w, key_cache, group, topk: int, *, max_bytes: int = ref_indexer.SCORE_BYTES):
         def slow():
@@ -592,8 +597,9 @@ class CudaKernels:
         if (reason is None and x.dim() == 2 and x.dtype == torch.bfloat16 and weight.dtype == torch.float32
                 and x.shape[0] >= L.FP32_LINEAR_SPLIT_MIN_ROWS                # prefill sizes: the tensor cores
                 and x.shape[1] % 8 == 0                                       # TMA rows: 16-byte multiples
+                and not getattr(torch.version, "hip", None)                   # TMA: NVIDIA only
                 and self._gpu_reason(x, 90, need_triton=True, op="fp32_linear") is None):
-            from glm_ray.kernels.cuda.fp32_linear import fp32_linear_split  # noqa: PLC0415 (imports triton)
+            from glm_ray.kernels.cuda.fp32_split import fp32_linear_split  # noqa: PLC0415 (imports triton)
             w3 = self._split3(weight)
             return self._guarded("fp32_linear", lambda: fp32_linear_split(x, w3), lambda: ref_fp32_linear(x, weight))
         if reason is not None or x.dim() != 2 or x.shape[0] * weight.shape[0] * weight.shape[1] > L.FP32_LINEAR_MAX_FMAS:
@@ -605,11 +611,11 @@ class CudaKernels:
 
     @staticmethod
     def _split3(weight: torch.Tensor) -> torch.Tensor:
-        """The weight's three bf16 parts (`fp32_linear.split3`), made on first use and kept on the weight (a
+        """The weight's three bf16 parts (`fp32_split.split3`), made on first use and kept on the weight (a
         loaded parameter: the warm-up steps before graph capture make them outside any graph)."""
         w3 = getattr(weight, "_glm_ray_split3", None)
         if w3 is None or w3.shape[1:] != weight.shape or w3.device != weight.device:
-            from glm_ray.kernels.cuda.fp32_linear import split3  # noqa: PLC0415 (imports triton)
+            from glm_ray.kernels.cuda.fp32_split import split3  # noqa: PLC0415 (imports triton)
             w3 = split3(weight)
             weight._glm_ray_split3 = w3
         return w3
