@@ -153,6 +153,10 @@ if [ $PART = s41 ]; then
   timeout ${ATT_LIM:-200} python3 -m glm_ray.bench.attention --mode prefill --heads 32 64 \
      --prefill-shapes 8x1024 1x8192 --no-reference --key-loads pointer tma --json $OUT/attn_tma.jsonl \
      > $OUT/attn_tma.log 2>&1; echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/attn_tma.log | tail -14 >> $S
+  echo "== the same at 64 x 64 tiles, 4 warps (sm_90a compile: 168 bytes of spill with TMA boxes vs 2.4 KB)" >> $S
+  timeout ${ATT_LIM:-120} python3 -m glm_ray.bench.attention --mode prefill --heads 32 --prefill-shapes 8x1024 1x8192 \
+     --no-reference --key-loads pointer tma --config 64 64 4 2 --json $OUT/attn_tma.jsonl \
+     > $OUT/attn_tma64.log 2>&1; echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/attn_tma64.log | tail -8 >> $S
   echo "== bench.moe_prefill new kernels: one vs two CTAs an SM" >> $S
   timeout ${MOE_LIM:-200} python3 -m glm_ray.bench.moe_prefill --geo flash glm5 --mode fp8 --tokens 2048 8192 --path new \
      --new-configs default ${MOE_NEW_CONFIGS:-64:256:128:128:8:8:2:tma 64:256:128:128:8:8:2:tma:r128 64:256:128:128:8:8:3:tma:r128} \
@@ -163,5 +167,7 @@ if [ $PART = s41 ]; then
      --shape ${PIECE_SHAPES:-8x1024 1x8192} --quant fp8 --device cuda --profile-top 14 --modes piecewise \
      --piecewise-max-tokens ${PIECE_MAX:-8192} --json $OUT/prefill_s41.jsonl > $OUT/prefill_s41.log 2>&1; echo "rc=$?" >> $S
   grep -A 18 "^ *model |" $OUT/prefill_s41.log | grep -vE "INFO|WARNING" | head -80 >> $S
+  # a device call returns at most 8 files: the logs and rows go back as one archive beside summary.txt
+  (cd $OUT && tar czf s41_logs.tgz $(ls *.log *.jsonl *.json 2>/dev/null) && rm -f *.log *.jsonl *.json)
 fi
 cat $S
