@@ -23,6 +23,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from glm_ray.kernels.cuda import fp32_split, mla_prefill, moe_prefill  # noqa: E402
+from glm_ray.kernels.cuda.layout import fp32_linear_split_config  # noqa: E402
+
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 
 
@@ -30,7 +33,7 @@ def stats(kernel, sig: dict, const: dict, **options) -> str:
     sig = {**sig, **dict.fromkeys(const, "constexpr")}
     try:
         k = triton.compile(ASTSource(kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32), options=options)
-    except Exception as e:                                                    # e.g. shared memory past the limit
+    except (RuntimeError, ValueError) as e:                                   # e.g. shared memory past the limit
         return f"error: {str(e).splitlines()[-1][:100]}"
     path = "/tmp/_compile_stats.cubin"
     with open(path, "wb") as f:
@@ -43,7 +46,7 @@ def stats(kernel, sig: dict, const: dict, **options) -> str:
 
 
 def mla_prefill_rows():
-    from glm_ray.kernels.cuda import mla_prefill as m
+    m = mla_prefill
     ptrs = ["q_ptr", "tok_ptr", "kv_ptr", "pe_ptr", "bits_ptr", "o_ptr", "m_ptr", "l_ptr", "acc_ptr", "cu_q_ptr",
             "ql_ptr", "cl_ptr", "cu_k_ptr", "tile_seq_ptr", "tile_start_ptr"]
     types = ["*bf16", "*i64", "*bf16", "*bf16", "*i32", "*bf16", "*fp32", "*fp32", "*fp32"] + ["*i32"] * 6
@@ -69,7 +72,7 @@ def mla_prefill_rows():
 
 
 def moe_up_rows():
-    from glm_ray.kernels.cuda import moe_prefill as m
+    m = moe_prefill
     bm, bk = 64, 128
     sig = {"a_ptr": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "as_ptr": "*fp32",
            "w_ptr": f"tensordesc<fp8e4nv[2, 128, {bk}]>", "ws_ptr": "*fp32", "o_ptr": "*fp8e4nv", "os_ptr": "*fp32",
@@ -85,8 +88,7 @@ def moe_up_rows():
 
 
 def fp32_split_rows():
-    from glm_ray.kernels.cuda import fp32_split as m
-    from glm_ray.kernels.cuda.layout import fp32_linear_split_config
+    m = fp32_split
     for n in (32, 64, 256):
         bm, bn, bk, w, s = fp32_linear_split_config(8192, n)
         sig = {"x_desc": f"tensordesc<bf16[{bm}, {bk}]>", "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "o_ptr": "*fp32",
