@@ -22,9 +22,7 @@ class RMSNorm(nn.Module):
         """x [..., D] -> weight * rms_norm(x.float()).to(x.dtype) [..., D]; with `residual` [..., D]:
         (norm of s, s = x + residual) — the add of the residual stream fused into the same launch; `in_place`
         stores s into `residual` (the caller gives up the old stream)."""
-        if in_place:
-            return kernels.ops().rms_norm(x, self.weight, self.eps, residual, in_place=True)
-        return kernels.ops().rms_norm(x, self.weight, self.eps, residual)
+        return kernels.ops().rms_norm(x, self.weight, self.eps, residual, in_place=in_place)
 
     def weight_loader(self, param, ckpt, shard_id=None):
         load_sharded(param, ckpt, shard_dim=None, rank=0, tp=1)

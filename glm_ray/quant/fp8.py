@@ -104,19 +104,23 @@ class Fp8BlockLinearMethod(LinearMethod):
 
     # ---- math -------------------------------------------------------------------------------
     def apply(self, layer, x):
+        return self._gemm(layer, x)
+
+    def apply_into(self, layer, x, out):
+        return self._gemm(layer, x, out)
+
+    def _gemm(self, layer, x, out=None):
+        """x [T, K] -> [T, N]: one block-FP8 GEMM (written into `out` when given, by the op where its kernel takes
+        an output buffer), or a GEMM per merged shard, concatenated (then copied into `out`)."""
         ops = owned_ops(layer)
         kw = dict(act_ue8m0=self.scheme.act_ue8m0)
         if getattr(layer, "fp8_parts", None) is None:
-            return ops.block_fp8_linear(x, layer.weight, layer.weight_scale_inv, self.block,
-                                        **kw, **getattr(layer, "fp8_meta", {}))
-        return torch.cat([ops.block_fp8_linear(x, w, s, self.block, **kw, **meta) for w, s, meta in layer.fp8_parts],
-                         dim=-1)
-
-    def apply_into(self, layer, x, out):
-        if getattr(layer, "fp8_parts", None) is not None:                   # merged shards: a GEMM per part
-            return super().apply_into(layer, x, out)
-        return owned_ops(layer).block_fp8_linear(x, layer.weight, layer.weight_scale_inv, self.block, out=out,
-                                                 act_ue8m0=self.scheme.act_ue8m0, **getattr(layer, "fp8_meta", {}))
+            y = ops.block_fp8_linear(x, layer.weight, layer.weight_scale_inv, self.block, out=out,
+                                     **kw, **getattr(layer, "fp8_meta", {}))
+        else:
+            y = torch.cat([ops.block_fp8_linear(x, w, s, self.block, **kw, **meta) for w, s, meta in layer.fp8_parts],
+                          dim=-1)
+        return y if out is None or y.data_ptr() == out.data_ptr() else out.copy_(y)
 
     def dequantized_weight(self, layer) -> torch.Tensor:
         """The dense weight `[N, K]` in the layer's dtype (MLA absorbs kv_b_proj from it)."""
