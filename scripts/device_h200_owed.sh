@@ -30,6 +30,7 @@
 #                 boxes (bench.attention --key-loads pointer tma), the prefill MoE kernels with two CTAs an
 #                 SM (bench.moe_prefill --path new, ':r128' configs), bench.prefill piecewise 8x1k / 1x8k with its
 #                 device-op table (the memcpy rows and the fp32 SIMT GEMM should be gone; README "Performance")
+#                 (S41="tests fp32 attn moe step" by default: name a subset to split it over calls)
 #   PART=all      tests, prefill, grammar, indexer, mixed, orch, firstuse, step
 # Needs xgrammar importable (the engine imports it). The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
 # scripts/device_h200_served.sh with Ray and xgrammar importable (docs/performance.md, "Reproducing on a GPU machine without a package index").
@@ -139,16 +140,20 @@ if [ $PART = moe ]; then
   grep -A 200 "^$" $OUT/moe_prefill.log | grep -E "^ *(flash|glm5) " | cut -c1-160 >> $S
 fi
 if [ $PART = s41 ]; then
-  echo "== gpu tests (session 41)" >> $S
-  for f in tests/gpu/test_cuda_norm.py "tests/gpu/test_cuda_kernels.py -k into_out" tests/gpu/test_cuda_mla_prefill.py \
+  s41() { [[ " ${S41:-tests fp32 attn moe step} " == *" $1 "* ]]; }  # S41= picks steps, to split the part over calls
+  s41 tests && echo "== gpu tests (session 41)" >> $S
+  s41 tests && for f in tests/gpu/test_cuda_norm.py "tests/gpu/test_cuda_kernels.py -k into_out" tests/gpu/test_cuda_mla_prefill.py \
            tests/gpu/test_piecewise_graphs.py tests/gpu/test_cuda_moe_prefill.py tests/gpu/test_cuda_routing.py; do
     timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider $f > $OUT/t.log 2>&1; rc=$?
     echo "$f rc=$rc $(tail -1 $OUT/t.log)" >> $S
     grep -E "^(FAILED|ERROR|E  )" $OUT/t.log | cut -c1-300 | head -30 >> $S; cat $OUT/t.log >> $OUT/gpu_tests.log
   done; rm -f $OUT/t.log
+  if s41 fp32; then
   echo "== bench_kernels --prefill-fp32-linear (split-weight tensor-core kernel vs cuBLAS fp32)" >> $S
   timeout ${K_LIM:-90} python3 scripts/bench_kernels.py --prefill-fp32-linear --out $OUT/fp32_linear.json \
      > $OUT/fp32_linear.log 2>&1; echo "rc=$?" >> $S; grep "^prefill" $OUT/fp32_linear.log >> $S
+  fi
+  if s41 attn; then
   echo "== bench.attention --mode prefill: key tiles as pointer tiles vs TMA boxes" >> $S
   timeout ${ATT_LIM:-200} python3 -m glm_ray.bench.attention --mode prefill --heads 32 64 \
      --prefill-shapes 8x1024 1x8192 --no-reference --key-loads pointer tma --json $OUT/attn_tma.jsonl \
@@ -157,16 +162,21 @@ if [ $PART = s41 ]; then
   timeout ${ATT_LIM:-120} python3 -m glm_ray.bench.attention --mode prefill --heads 32 --prefill-shapes 8x1024 1x8192 \
      --no-reference --key-loads pointer tma --config 64 64 4 2 --json $OUT/attn_tma.jsonl \
      > $OUT/attn_tma64.log 2>&1; echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/attn_tma64.log | tail -8 >> $S
+  fi
+  if s41 moe; then
   echo "== bench.moe_prefill new kernels: one vs two CTAs an SM" >> $S
   timeout ${MOE_LIM:-200} python3 -m glm_ray.bench.moe_prefill --geo flash glm5 --mode fp8 --tokens 2048 8192 --path new \
      --new-configs default ${MOE_NEW_CONFIGS:-64:256:128:128:8:8:2:tma 64:256:128:128:8:8:2:tma:r128 64:256:128:128:8:8:3:tma:r128} \
      --stages --json $OUT/moe_new.jsonl > $OUT/moe_new.log 2>&1; echo "rc=$?" >> $S
   grep -E "^ *(flash|glm5) " $OUT/moe_new.log | cut -c1-250 >> $S
+  fi
+  if s41 step; then
   echo "== bench.prefill piecewise" >> $S
   timeout ${STEP_LIM:-240} python3 -m glm_ray.bench.prefill ${PIECE_MODELS:-glm5-flash-31b glm5-slice-6l} \
      --shape ${PIECE_SHAPES:-8x1024 1x8192} --quant fp8 --device cuda --profile-top 14 --modes piecewise \
      --piecewise-max-tokens ${PIECE_MAX:-8192} --json $OUT/prefill_s41.jsonl > $OUT/prefill_s41.log 2>&1; echo "rc=$?" >> $S
   grep -A 18 "^ *model |" $OUT/prefill_s41.log | grep -vE "INFO|WARNING" | head -80 >> $S
+  fi
   # a device call returns at most 8 files: the logs and rows go back as one archive beside summary.txt
   (cd $OUT && tar czf s41_logs.tgz $(ls *.log *.jsonl *.json 2>/dev/null) && rm -f *.log *.jsonl *.json)
 fi
