@@ -95,12 +95,11 @@ def test_bad_fp8_gemm_env_is_refused(monkeypatch):
         CudaKernels()
 
 
-def test_kernel_failure_marks_op_broken_and_uses_reference(monkeypatch, caplog):
+def test_kernel_failure_marks_op_broken_and_uses_reference(monkeypatch, caplog, gpu_check_off):
     from glm_ray.kernels.cuda import CudaKernels
     ck = CudaKernels()
     if ck.tk is None:
         pytest.skip(ck.triton_error)
-    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton, op: None)
 
     def boom(*a, **k):
         raise RuntimeError("simulated Triton compile error")
@@ -113,7 +112,7 @@ def test_kernel_failure_marks_op_broken_and_uses_reference(monkeypatch, caplog):
     assert sum(ck.fallbacks.values()) == 2 and "kernel failed" in caplog.text
 
 
-def test_decode_size_thresholds_route_to_the_one_launch_kernels(monkeypatch):
+def test_decode_size_thresholds_route_to_the_one_launch_kernels(monkeypatch, gpu_check_off, spy):
     """GLM_RAY_CUDA_FP8_SMALL_M: a block-FP8 linear of <= that many rows runs the fused small-M kernel
     (interpreted here) and equals the reference; above it, the usual path (default 64 = MAX_M)."""
     from glm_ray.kernels.cuda import CudaKernels, fp8_small_m
@@ -121,10 +120,7 @@ def test_decode_size_thresholds_route_to_the_one_launch_kernels(monkeypatch):
     ck = CudaKernels()
     if ck.tk is None or not ck.tk.INTERPRET:
         pytest.skip("needs triton interpreted")
-    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton, op: None)
-    calls = []
-    real = fp8_small_m.block_fp8_linear_small_m
-    monkeypatch.setattr(fp8_small_m, "block_fp8_linear_small_m", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = spy(fp8_small_m, "block_fp8_linear_small_m")
     x, w, s = dense_fp8_case(3, 256, 384)
     y = ck.block_fp8_linear(x.float(), w, s, out_dtype=torch.bfloat16)
     assert calls == [1]
@@ -140,11 +136,10 @@ def test_decode_size_thresholds_route_to_the_one_launch_kernels(monkeypatch):
     from glm_ray.kernels.cuda import moe_decode
     monkeypatch.setenv("GLM_RAY_CUDA_MOE_DECODE_PAIRS", "8")
     ck = CudaKernels()
-    real_moe = moe_decode.fused_moe_decode
-    monkeypatch.setattr(moe_decode, "fused_moe_decode", lambda *a, **k: calls.append(2) or real_moe(*a, **k))
+    moe_calls = spy(moe_decode, "fused_moe_decode")
     c = moe_case(3, 64, 32, 4, 2, "bf16")                                 # 6 pairs
     got = ck.fused_moe(c.x, c.w13, c.w2, c.topk_weights, c.topk_ids)
-    assert calls == [1, 2]
+    assert calls == [1] and moe_calls == [1]
     want = ref_fused_moe(c.x, c.w13, c.w2, c.topk_weights, c.topk_ids)
     assert rel_err(got.float(), want.float()) < 1e-2
 
@@ -328,7 +323,7 @@ def test_interp_dense_gemms(interp):
                                atol=1e-5)
 
 
-def test_scaled_mm_path_plumbing_with_emulated_gemm(interp, monkeypatch):
+def test_scaled_mm_path_plumbing_with_emulated_gemm(interp, monkeypatch, gpu_check_off):
     """The `_scaled_mm` branch of block_fp8_linear end to end on CPU: Triton act quant (interpreted)
     into the padded column-major layout, the padded operands recovered from the prepared views, an
     exact emulation of the blockwise `_scaled_mm`, the un-padding — against the reference. With `out=`: where
@@ -342,7 +337,6 @@ def test_scaled_mm_path_plumbing_with_emulated_gemm(interp, monkeypatch):
         y = (a @ dequant_block_fp8(wp, sp).T).to(BF16)
         direct.append(out is not None)
         return y if out is None else out.copy_(y)
-    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton, op: None)
     monkeypatch.setattr(CudaKernels, "_scaled_mm", lambda self, *a, **kw: scaled_mm(*a, **kw))
     monkeypatch.setattr(CudaKernels, "_scaled_mm_ok", lambda self, wp, sp: True)   # its GPU self-check
     ck = CudaKernels()

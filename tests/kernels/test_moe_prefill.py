@@ -132,17 +132,14 @@ def test_configs_table_and_constraints(mp):
             mp.check_configs(*bad)
 
 
-def test_dispatch_takes_the_prefill_kernels_and_falls_back_to_the_grouped_ones(mp, monkeypatch):
+def test_dispatch_takes_the_prefill_kernels_and_falls_back_to_the_grouped_ones(mp, monkeypatch, gpu_check_off, spy):
     """GLM_RAY_CUDA_MOE_PREFILL_ROWS: block-FP8 calls with >= that many pairs per expert run moe_prefill; a
     failure there marks only the prefill op broken and runs the grouped kernels (not the reference)."""
     from glm_ray.kernels.cuda import CudaKernels
     from glm_ray.kernels.cuda import moe_prefill as module
     monkeypatch.setenv("GLM_RAY_CUDA_MOE_PREFILL_ROWS", "4")
     ck = CudaKernels()
-    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton, op: None)
-    calls = []
-    real = module.fused_moe_prefill
-    monkeypatch.setattr(module, "fused_moe_prefill", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    calls = spy(module, "fused_moe_prefill", lambda x, *a, **k: x.shape[0])
     big = _case(16, seed=1, dtype=torch.bfloat16)              # 32 pairs on E = 4: 8 per expert
     small = _case(6, seed=2, dtype=torch.bfloat16)             # 3 per expert
 

@@ -232,7 +232,7 @@ def test_fp32_linear_split_matches_reference(t, e, d):
     assert fp32_split.fp32_linear_split(x[:0], fp32_split.split3(w)).shape == (0, e)
 
 
-def test_cuda_kernels_route_prefill_sizes_to_the_split(monkeypatch):
+def test_cuda_kernels_route_prefill_sizes_to_the_split(gpu_check_off, spy):
     """CudaKernels.fp32_linear with the device check bypassed: from FP32_LINEAR_SPLIT_MIN_ROWS bf16 rows (and D a
     multiple of 8) the split kernel runs on parts made once and kept on the weight; fewer rows, fp32 x or an odd D
     take the other paths."""
@@ -241,10 +241,7 @@ def test_cuda_kernels_route_prefill_sizes_to_the_split(monkeypatch):
     ck = CudaKernels()
     if ck.tk is None:
         pytest.skip(ck.triton_error)
-    monkeypatch.setattr(CudaKernels, "_gpu_reason", lambda self, t, min_sm, need_triton, op: None)
-    calls = []
-    real = fp32_split.fp32_linear_split
-    monkeypatch.setattr(fp32_split, "fp32_linear_split", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    calls = spy(fp32_split, "fp32_linear_split", lambda x, *a: x.shape[0])
     g = torch.Generator().manual_seed(9)
     w = torch.randn(16, 64, generator=g)
     x = torch.randn(MIN_ROWS, 64, generator=g).to(torch.bfloat16)
