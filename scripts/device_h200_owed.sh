@@ -142,9 +142,12 @@ fi
 if [ $PART = s41 ]; then
   s41() { [[ " ${S41:-tests fp32 attn moe step} " == *" $1 "* ]]; }  # S41= picks steps, to split the part over calls
   s41 tests && echo "== gpu tests (session 41)" >> $S
-  s41 tests && for f in tests/gpu/test_cuda_norm.py "tests/gpu/test_cuda_kernels.py -k into_out" tests/gpu/test_cuda_mla_prefill.py \
-           tests/gpu/test_piecewise_graphs.py tests/gpu/test_cuda_moe_prefill.py tests/gpu/test_cuda_routing.py; do
-    timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider $f > $OUT/t.log 2>&1; rc=$?
+  # S41_TESTS: test files, FILE%EXPR runs `pytest FILE -k EXPR`
+  s41 tests && for f in ${S41_TESTS:-tests/gpu/test_cuda_norm.py tests/gpu/test_cuda_kernels.py%into_out \
+           tests/gpu/test_cuda_mla_prefill.py tests/gpu/test_piecewise_graphs.py tests/gpu/test_cuda_moe_prefill.py \
+           tests/gpu/test_cuda_routing.py}; do
+    k=(); [[ $f == *%* ]] && k=(-k "${f#*%}") && f=${f%%%*}
+    timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider $f "${k[@]}" > $OUT/t.log 2>&1; rc=$?
     echo "$f rc=$rc $(tail -1 $OUT/t.log)" >> $S
     grep -E "^(FAILED|ERROR|E  )" $OUT/t.log | cut -c1-300 | head -30 >> $S; cat $OUT/t.log >> $OUT/gpu_tests.log
   done; rm -f $OUT/t.log
