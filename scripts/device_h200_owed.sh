@@ -167,9 +167,9 @@ if [ $PART = s41 ]; then
      > $OUT/attn_tma64.log 2>&1; echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/attn_tma64.log | tail -8 >> $S
   fi
   if s41 moe; then
-  echo "== bench.moe_prefill new kernels: one vs two CTAs an SM" >> $S
+  echo "== bench.moe_prefill new kernels: one vs two CTAs an SM, persistent (:p1)" >> $S
   timeout ${MOE_LIM:-200} python3 -m glm_ray.bench.moe_prefill --geo flash glm5 --mode fp8 --tokens 2048 8192 --path new \
-     --new-configs default ${MOE_NEW_CONFIGS:-64:256:128:128:8:8:2:tma 64:256:128:128:8:8:2:tma:r128 64:256:128:128:8:8:3:tma:r128} \
+     --new-configs default ${MOE_NEW_CONFIGS:-64:256:128:128:8:8:2:tma 64:256:128:128:8:8:2:tma:r128 64:256:128:128:8:8:3:tma:r128 64:256:128:128:8:8:3:tma:p1 64:256:128:128:8:8:2:tma:p1} \
      --stages --json $OUT/moe_new.jsonl > $OUT/moe_new.log 2>&1; echo "rc=$?" >> $S
   grep -E "^ *(flash|glm5) " $OUT/moe_new.log | cut -c1-250 >> $S
   fi

@@ -12,11 +12,12 @@ config is timed in turn, so one run compares them on the same inputs; `speedup` 
 this row's time. Shapes as `bench.moe_decode` (glm5-flash-31b experts: E=64, D=2048, I=1536, top-4; GLM-5: E=256,
 D=6144, I=2048, top-8; random weights, uniform random top-k).
 
-A config is BM:BN1:BN2:BK:WARPS1:WARPS2:STAGES[:tma][:rN] (stage 1 = the gate/up kernel, stage 2 = the down
+A config is BM:BN1:BN2:BK:WARPS1:WARPS2:STAGES[:tma][:rN][:pN] (stage 1 = the gate/up kernel, stage 2 = the down
 kernel; one BM and BK and stages for both), or `default` for the path's own table (`layout.moe_configs` /
 `layout.moe_prefill_configs`). Old FP8: BK = 128, BN1 = 128; new: BN1 = 256 (128 gate + 128 up columns), BK =
 128, BN2 in 64/128/256, `:tma` loads the operands through tensor descriptors, `:rN` caps the new kernels at N
-registers a thread (two CTAs an SM: `64:256:128:128:8:8:2:tma:r128`); MXFP4 / bf16 need multiples of 32.
+registers a thread (two CTAs an SM: `64:256:128:128:8:8:2:tma:r128`), `:pN` makes them persistent with N programs
+an SM (`TileConfig.persistent`); MXFP4 / bf16 need multiples of 32.
 Each (path, config, T) is captured in a CUDA graph (prefill steps replay piecewise graphs) and timed on replays
 with the L2 flushed. FLOPs = 6 * T * top_k * D * I (gate + up + down, multiply-add = 2); `tflops` and `of_peak`
 against MEASURED_FP8_TFLOPS / MEASURED_BF16_TFLOPS (bench/gpu_timing.py). `--stages` also times each launch of
@@ -43,21 +44,24 @@ PATHS = ("old", "new")
 
 
 def parse_config(text: str):
-    """'default' -> None; 'BM:BN1:BN2:BK:W1:W2:S[:tma][:rN]' -> (stage-1 TileConfig, stage-2 TileConfig); `rN`
-    caps both kernels at N registers a thread (`TileConfig.maxnreg`)."""
+    """'default' -> None; 'BM:BN1:BN2:BK:W1:W2:S[:tma][:rN][:pN]' -> (stage-1 TileConfig, stage-2 TileConfig); `rN`
+    caps both kernels at N registers a thread (`TileConfig.maxnreg`), `pN` makes both persistent with N programs an
+    SM (`TileConfig.persistent`)."""
     if text == "default":
         return None
     parts, opts = text.split(":")[:7], text.split(":")[7:]
     tma = "tma" in opts
     regs = [int(o[1:]) for o in opts if o[:1] == "r" and o[1:].isdigit()]
-    if (len(parts) != 7 or not all(p.isdigit() for p in parts) or len(opts) != tma + len(regs) or len(regs) > 1
-            or len(set(opts)) != len(opts)):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected BM:BN1:BN2:BK:WARPS1:WARPS2:STAGES[:tma][:rN] or "
-                                         "'default'")
+    pers = [int(o[1:]) for o in opts if o[:1] == "p" and o[1:].isdigit() and int(o[1:]) > 0]
+    if (len(parts) != 7 or not all(p.isdigit() for p in parts) or len(opts) != tma + len(regs) + len(pers)
+            or len(regs) > 1 or len(pers) > 1 or len(set(opts)) != len(opts)):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BM:BN1:BN2:BK:WARPS1:WARPS2:STAGES[:tma][:rN][:pN] "
+                                         "or 'default'")
     bm, bn1, bn2, bk, w1, w2, st = map(int, parts)
     maxnreg = regs[0] if regs else None
-    return (TileConfig(bm, bn1, bk, w1, st, tma=tma, maxnreg=maxnreg),
-            TileConfig(bm, bn2, bk, w2, st, tma=tma, maxnreg=maxnreg))
+    persistent = pers[0] if pers else 0
+    return (TileConfig(bm, bn1, bk, w1, st, tma=tma, maxnreg=maxnreg, persistent=persistent),
+            TileConfig(bm, bn2, bk, w2, st, tma=tma, maxnreg=maxnreg, persistent=persistent))
 
 
 def moe_modules():

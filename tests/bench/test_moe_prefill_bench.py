@@ -28,8 +28,10 @@ def test_parse_config():
     c1, c2 = moe_prefill.parse_config("64:256:128:128:8:8:2:tma:r128")
     assert c1 == TileConfig(64, 256, 128, 8, 2, tma=True, maxnreg=128) and c2.maxnreg == 128 and c2.tma
     assert moe_prefill.parse_config("64:256:128:128:8:8:2:r96")[0] == TileConfig(64, 256, 128, 8, 2, maxnreg=96)
+    c1, c2 = moe_prefill.parse_config("64:256:128:128:8:8:3:tma:p1")
+    assert c1 == TileConfig(64, 256, 128, 8, 3, tma=True, persistent=1) and c2.persistent == 1 and c2.tma
     for bad in ("64:128", "a:b:c:d:e:f:g", "64:128:64:128:8:4:3:1", "64:128:64:128:8:4:3:r", "64:128:64:128:8:4:3:tma:tma",
-                "64:128:64:128:8:4:3:r64:r96"):
+                "64:128:64:128:8:4:3:r64:r96", "64:128:64:128:8:4:3:p0", "64:128:64:128:8:4:3:p1:p2"):
         with pytest.raises(Exception, match="BM:BN1:BN2"):
             moe_prefill.parse_config(bad)
 

@@ -38,6 +38,9 @@ TS = (512, 2048, 8192)
 CHUNK = 16                       # experts generated per step (GLM-5 fp32 temporaries stay ~1.6 GB)
 TMA = (TileConfig(64, 256, 128, 8, 3, tma=True), TileConfig(64, 128, 128, 8, 3, tma=True))
 TMA_256 = (TileConfig(64, 256, 128, 8, 4, tma=True), TileConfig(64, 256, 128, 8, 3, tma=True))
+PERSISTENT = (TileConfig(64, 256, 128, 8, 3, tma=True, persistent=1),
+              TileConfig(64, 128, 128, 8, 3, tma=True, persistent=1))
+TWO_AN_SM = (TileConfig(64, 256, 128, 8, 2, tma=True, maxnreg=128), TileConfig(64, 128, 128, 8, 2, tma=True, maxnreg=128))
 
 
 def _sm() -> int:
@@ -126,10 +129,12 @@ def _checks(tk, y, x, w13, s13, w2, s2, tw, ids, **kw):
 
 
 PARAMS = [("flash", None, {}), ("flash", TMA, {"swiglu_limit": 10.0}), ("glm5", None, {"swiglu_limit": 10.0}),
-          ("glm5", TMA_256, {})]
+          ("glm5", TMA_256, {}), ("flash", PERSISTENT, {"swiglu_limit": 10.0}), ("glm5", PERSISTENT, {}),
+          ("flash", TWO_AN_SM, {})]
 
 
-@pytest.mark.parametrize("geo,cfg,kw", PARAMS, ids=["flash-default", "flash-tma", "glm5-default", "glm5-tma256"])
+@pytest.mark.parametrize("geo,cfg,kw", PARAMS, ids=["flash-default", "flash-tma", "glm5-default", "glm5-tma256",
+                                                    "flash-persistent", "glm5-persistent", "flash-r128"])
 def test_prefill_moe_matches_reference_and_grouped(mp, tk, experts, geo, cfg, kw):
     w13, s13, w2, s2 = experts(geo)
     errs = []

@@ -46,8 +46,9 @@ def _case(t, *, d=D, i=I, hp=0, ip=0, dtype=torch.float32, seed=0, empty=()):
     return c
 
 
-def _cfg(bm, bn2=128, tma=False, warps=4, stages=2):
-    return TileConfig(bm, 256, 128, warps, stages, tma=tma), TileConfig(bm, bn2, 128, warps, stages, tma=tma)
+def _cfg(bm, bn2=128, tma=False, warps=4, stages=2, persistent=0):
+    return (TileConfig(bm, 256, 128, warps, stages, tma=tma, persistent=persistent),
+            TileConfig(bm, bn2, 128, warps, stages, tma=tma, persistent=persistent))
 
 
 def _prefill(mp, c, configs=None, **kw):
@@ -75,6 +76,12 @@ CASES = [
     (17, (16, 256, True), 56, 96, (), {"swiglu_limit": 1.0}),
     (12, (64, 128, False), 0, 0, (3,), {}),
 ]
+PERSISTENT_CASES = [
+    # T, config (BM, BN2, TMA), hidden_pad, inter_pad, empty experts, kwargs, programs (the grid: an "SM" each)
+    (40, (16, 128, False), 0, 0, (2,), {"swiglu_limit": 0.5}, 1),    # one program walks every tile
+    (40, (16, 64, True), 0, 0, (), {}, 3),                           # tiles not a multiple of the programs
+    (17, (16, 256, True), 56, 96, (1,), {"act_ue8m0": True}, 2),     # masked tiles
+]
 
 
 @pytest.mark.parametrize("t,cfg,hp,ip,empty,kw", CASES)
@@ -85,6 +92,23 @@ def test_prefill_moe_matches_reference_and_grouped(mp, t, cfg, hp, ip, empty, kw
     assert y.shape == c.x.shape and y.dtype == c.x.dtype
     assert rel_err(y, _ref(c, **kw)) <= 1e-5, rel_err(y, _ref(c, **kw))
     assert rel_err(y, _grouped(c, **kw)) <= 1e-5, rel_err(y, _grouped(c, **kw))
+
+
+@pytest.mark.parametrize("t,cfg,hp,ip,empty,kw,programs", PERSISTENT_CASES)
+def test_persistent_programs_stride_over_the_used_tiles(mp, monkeypatch, t, cfg, hp, ip, empty, kw, programs):
+    """`TileConfig.persistent`: a grid of `programs` (one an SM, the SM count set to `programs`) walks every used
+    tile of both kernels in its flattened loop — the result equals the one-program-a-tile launch exactly (the
+    same tiles, the same math) and the reference."""
+    c = _case(t, d=D - hp, i=I - ip, hp=hp, ip=ip, empty=empty, seed=t + programs)
+    bm, bn2, tma = cfg
+    grids = []
+    monkeypatch.setattr(mp, "num_sms", lambda device: programs)
+    real_grid = mp._grid
+    monkeypatch.setattr(mp, "_grid", lambda *a: grids.append(real_grid(*a)) or grids[-1])
+    y = _prefill(mp, c, _cfg(bm, bn2, tma, persistent=1), **kw)
+    assert grids == [(programs,), (programs,)]                        # up, down: fewer programs than tiles
+    assert torch.equal(y, _prefill(mp, c, _cfg(bm, bn2, tma), **kw))
+    assert rel_err(y, _ref(c, **kw)) <= 1e-5, rel_err(y, _ref(c, **kw))
 
 
 def test_prefill_moe_bf16_within_one_ulp_of_grouped_and_default_configs(mp):

@@ -201,6 +201,10 @@ class TileConfig:
     # for one CTA an SM; <= 128 (with 2 stages: 80 KiB of shared memory) lets two share one, so one's promotion
     # and epilogue overlap the other's wgmma (sm_90a compile: 128 spills ~100 bytes a thread). None: ptxas decides
     maxnreg: int | None = None
+    # moe_prefill.py only: > 0 launches that many programs an SM, each striding over the used tiles in one flattened
+    # loop (Triton's persistent matmul): the next tile's loads are issued under this one's epilogue, and the grid
+    # holds no programs past the device's row count. 0: one program a tile
+    persistent: int = 0
 
 
 def moe_configs(w_mode: str, num_pairs: int, num_experts: int) -> tuple[TileConfig, TileConfig]:

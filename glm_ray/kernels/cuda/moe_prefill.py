@@ -32,7 +32,12 @@ The old grouped kernels stay for decode-to-mid sizes and as the fallback (ops.py
 GLM_RAY_CUDA_MOE_PREFILL_ROWS). Tiles
 come from `layout.moe_prefill_configs` (or the caller: bench/moe_prefill.py sweeps them). A config's `tma` makes
 a stage load its operands through host-side tensor descriptors (`triton.tools.tensor_descriptor`) instead of
-pointer tiles; the interpreter runs both forms.
+pointer tiles; the interpreter runs both forms. A config's `persistent` (programs an SM) launches that many programs
+(Triton's persistent matmul): each strides over the used tiles — their count read on the device — in one flattened
+loop, so the loads of its next tile are in flight under this tile's epilogue (the SwiGLU, the re-quantization and the
+stores, during which the tensor cores of a one-CTA-an-SM kernel idle) and no program is launched for the rows past
+`num_post_pad`. sm_90a compile (Triton 3.6): 246 registers, 184 KiB of shared memory at 3 stages (the epilogue's
+layout exchange no longer shares the pipeline's buffers), so one CTA an SM.
 
 CUDA graphs: every grid and constexpr comes from shapes (EM = the alignment's static row bound), the used row
 count `num_post_pad` is read on the device and programs past it exit; no host syncs. Under `TRITON_INTERPRET=1`
@@ -47,6 +52,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from glm_ray.kernels.cuda.layout import TileConfig, cdiv, moe_prefill_configs
 from glm_ray.kernels.cuda.moe_align import moe_align_auto
+from glm_ray.kernels.cuda.moe_decode import num_sms
 from glm_ray.kernels.cuda.triton_kernels import (
     ACT_EPS,
     FP8_MAX,
@@ -95,18 +101,37 @@ def _up_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, os_ptr, eid_ptr, npost_ptr,
                stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                limit, eps, fmax,
                UE8M0: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr,
-               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PERSISTENT: tl.constexpr,
                BM: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, GROUP_M: tl.constexpr):
     """inter[r, n] = requant(silu_glu(A[r] . w13[e, n], A[r] . w13[e, HALF + n])) for sorted rows r of one expert
     e and n in a 128-column block (< N = real I). K = w13's row length (D'); HALF = I'; SHALF = scale block rows
     of one half. TMA: a_ptr is a descriptor of A [EM, DG*128] (block [BM, BK]) and w_ptr one of w13 viewed
-    [E*2, I', D'] (block [2, 128, BK])."""
+    [E*2, I', D'] (block [2, 128, BK]). PERSISTENT: the programs stride over the used tiles (module docstring)."""
+    num_n = tl.cdiv(N, 128)
+    if PERSISTENT:
+        num_m = tl.cdiv(tl.load(npost_ptr), BM)                                  # used row tiles only
+        for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _swizzle(tile, num_m, num_n, GROUP_M)
+            _up_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, os_ptr, eid_ptr, EM, K, N, HALF, SHALF,
+                     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, limit, eps, fmax,
+                     UE8M0, HAS_LIMIT, INTERP, TMA, EVEN_K, EVEN_N, BM, BK, KB)
+    else:
+        pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(EM, BM), num_n, GROUP_M)
+        if pid_m * BM < tl.load(npost_ptr):
+            _up_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, os_ptr, eid_ptr, EM, K, N, HALF, SHALF,
+                     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, limit, eps, fmax,
+                     UE8M0, HAS_LIMIT, INTERP, TMA, EVEN_K, EVEN_N, BM, BK, KB)
+
+
+@triton.jit
+def _up_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, os_ptr, eid_ptr, EM, K, N, HALF, SHALF,
+             stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, limit, eps, fmax,
+             UE8M0: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr,
+             EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr):
+    """One (BM sorted rows, 128 intermediate columns) tile of `_up_kernel`."""
     BNH: tl.constexpr = 128                                                      # one half: a scale block, a group
     BN: tl.constexpr = 2 * BNH                                                   # gate columns, then up columns
-    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(EM, BM), tl.cdiv(N, BNH), GROUP_M)
     r0 = pid_m * BM
-    if r0 >= tl.load(npost_ptr):
-        return
     e32 = tl.load(eid_ptr + pid_m)
     e = e32.to(tl.int64)
     rows = r0 + tl.arange(0, BM)                                                 # [BM] sorted rows
@@ -157,14 +182,35 @@ def _down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, tw_ptr, sorted_ptr, eid_pt
                  P, EM, N, K,
                  stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                  INTERP: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                 PERSISTENT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, GROUP_M: tl.constexpr):
     """out[pair(r), n] = tw[pair(r)] * sum_k inter[r, k] w2[e, n, k] for the sorted rows r of one expert e, n < N
     (real D), k < KB * BK (inter is zero past the real I). K = w2's row length (I'). TMA: a_ptr is a descriptor
-    of inter [EM, IG*128] (block [BM, BK]) and w_ptr one of w2 [E, D', I'] (block [1, BN, BK])."""
-    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(EM, BM), tl.cdiv(N, BN), GROUP_M)
+    of inter [EM, IG*128] (block [BM, BK]) and w_ptr one of w2 [E, D', I'] (block [1, BN, BK]). PERSISTENT: the
+    programs stride over the used tiles."""
+    num_n = tl.cdiv(N, BN)
+    if PERSISTENT:
+        num_m = tl.cdiv(tl.load(npost_ptr), BM)
+        for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _swizzle(tile, num_m, num_n, GROUP_M)
+            _down_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, tw_ptr, sorted_ptr, eid_ptr, P, EM, N, K,
+                       stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                       INTERP, TMA, EVEN_K, EVEN_N, BM, BN, BK, KB)
+    else:
+        pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(EM, BM), num_n, GROUP_M)
+        if pid_m * BM < tl.load(npost_ptr):
+            _down_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, tw_ptr, sorted_ptr, eid_ptr, P, EM, N, K,
+                       stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                       INTERP, TMA, EVEN_K, EVEN_N, BM, BN, BK, KB)
+
+
+@triton.jit
+def _down_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, tw_ptr, sorted_ptr, eid_ptr, P, EM, N, K,
+               stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+               INTERP: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr):
+    """One (BM sorted rows, BN output columns) tile of `_down_kernel`."""
     r0 = pid_m * BM
-    if r0 >= tl.load(npost_ptr):
-        return
     e32 = tl.load(eid_ptr + pid_m)
     e = e32.to(tl.int64)
     rows = r0 + tl.arange(0, BM)                                                 # [BM] sorted rows
@@ -259,16 +305,24 @@ def _up(aq, a_s, w13, ws13, inter, inter_s, al, k_real, n_real, cfg: TileConfig,
         a_arg = TensorDescriptor(aq, list(aq.shape), list(aq.stride()), [cfg.block_m, cfg.block_k])
         w3 = w13.view(e * 2, half, dp)                                           # [E*2, I', D']: gate, up halves
         w_arg = TensorDescriptor(w3, list(w3.shape), list(w3.stride()), [2, GROUP, cfg.block_k])
-    grid = (cdiv(em, cfg.block_m) * cdiv(n_real, GROUP),)
+    grid = _grid(cdiv(em, cfg.block_m) * cdiv(n_real, GROUP), cfg, aq.device)
     _up_kernel[grid](
         a_arg, a_s, w_arg, ws13, inter, inter_s, al.expert_ids, al.num_post_pad,
         em, dp, n_real, half, ws13.shape[1] // 2,
         aq.stride(0), w13.stride(0), w13.stride(1), ws13.stride(0), ws13.stride(1), inter.stride(0),
         float(limit) if limit is not None else 0.0, ACT_EPS, FP8_MAX,
         UE8M0=ue8m0, HAS_LIMIT=limit is not None, INTERP=INTERPRET, TMA=tma,
-        EVEN_K=kb * cfg.block_k <= dp, EVEN_N=n_real % GROUP == 0,
+        EVEN_K=kb * cfg.block_k <= dp, EVEN_N=n_real % GROUP == 0, PERSISTENT=cfg.persistent > 0,
         BM=cfg.block_m, BK=cfg.block_k, KB=kb, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **_launch_options(cfg))
+
+
+def _grid(tiles: int, cfg: TileConfig, device: torch.device) -> tuple[int]:
+    """One program a tile (the static bound; programs past the device's row count exit), or a persistent config's
+    programs an SM (never more than the tiles)."""
+    if cfg.persistent <= 0:
+        return (tiles,)
+    return (max(1, min(tiles, cfg.persistent * num_sms(device))),)
 
 
 def _launch_options(cfg: TileConfig) -> dict:
@@ -285,13 +339,13 @@ def _down(inter, inter_s, w2, ws2, out, tw, al, num_pairs, n_real, k_real, cfg: 
     if tma:
         a_arg = TensorDescriptor(inter, list(inter.shape), list(inter.stride()), [cfg.block_m, cfg.block_k])
         w_arg = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), [1, cfg.block_n, cfg.block_k])
-    grid = (cdiv(em, cfg.block_m) * cdiv(n_real, cfg.block_n),)
+    grid = _grid(cdiv(em, cfg.block_m) * cdiv(n_real, cfg.block_n), cfg, inter.device)
     _down_kernel[grid](
         a_arg, inter_s, w_arg, ws2, out, tw, al.sorted_ids, al.expert_ids, al.num_post_pad,
         num_pairs, em, n_real, ip,
         inter.stride(0), w2.stride(0), w2.stride(1), ws2.stride(0), ws2.stride(1), out.stride(0),
         INTERP=INTERPRET, TMA=tma, EVEN_K=kb * cfg.block_k <= ip, EVEN_N=n_real % cfg.block_n == 0,
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, KB=kb, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+        PERSISTENT=cfg.persistent > 0, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, KB=kb, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **_launch_options(cfg))
 
 
