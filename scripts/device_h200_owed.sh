@@ -165,6 +165,10 @@ if [ $PART = s41 ]; then
   timeout ${ATT_LIM:-120} python3 -m glm_ray.bench.attention --mode prefill --heads 32 --prefill-shapes 8x1024 1x8192 \
      --no-reference --key-loads pointer tma --config 64 64 4 2 --json $OUT/attn_tma.jsonl \
      > $OUT/attn_tma64.log 2>&1; echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/attn_tma64.log | tail -8 >> $S
+  echo "== 64 x 64 tiles, 8 warps (sm_90a compile, TMA boxes: 145 registers, no spill; pointer tiles 255 + 304 B)" >> $S
+  timeout ${ATT_LIM:-120} python3 -m glm_ray.bench.attention --mode prefill --heads 32 --prefill-shapes 8x1024 1x8192 \
+     --no-reference --key-loads pointer tma --config 64 64 8 2 --json $OUT/attn_tma.jsonl \
+     > $OUT/attn_tma64w8.log 2>&1; echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/attn_tma64w8.log | tail -8 >> $S
   fi
   if s41 moe; then
   echo "== bench.moe_prefill new kernels: one vs two CTAs an SM, persistent (:p1)" >> $S

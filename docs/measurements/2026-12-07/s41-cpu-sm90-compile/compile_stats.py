@@ -7,7 +7,8 @@ GPU machine's version) in its own venv:
 
 Rows: the MLA prefill kernel (GLM-5 / glm5-flash-31b head dims: q/k 192 + 64, v 256) with pointer key tiles and
 with TMA boxes, dense and sparse, at a few tile configs; the prefill MoE gate/up kernel (TMA) at 3 and 2 stages and
-with a 128-register cap; fp32_linear's split-weight kernel at its launch configs.
+with a 128-register cap, one program a tile and persistent; fp32_linear's split-weight kernel at its launch configs.
+Session 42 added the 64 x 64 / 8-warp MLA rows and the persistent MoE rows (compile_stats_s42.txt).
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def mla_prefill_rows():
     dn1, dn2, bdn2 = m._dn_split(192)
     for tma in (False, True):
         for sparse in (False, True):
-            for bm, bn, w, s in ((128, 64, 8, 2), (64, 64, 4, 2)):
+            for bm, bn, w, s in ((128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2)):
                 sig = dict(zip(ptrs, types))
                 descs = {"k1_desc": f"tensordesc<bf16[{bn}, {dn1}]>", "k2_desc": f"tensordesc<bf16[{bn}, {bdn2}]>",
                          "v_desc": f"tensordesc<bf16[{bn}, 256]>", "pe_desc": f"tensordesc<bf16[{bn}, 64]>"}
@@ -79,12 +80,13 @@ def moe_up_rows():
            "eid_ptr": "*i32", "npost_ptr": "*i32",
            **dict.fromkeys(["EM", "K", "N", "HALF", "SHALF", "stride_am", "stride_we", "stride_wn", "stride_wse",
                             "stride_wsn", "stride_om"], "i32"), "limit": "fp32", "eps": "fp32", "fmax": "fp32"}
-    const = dict(UE8M0=False, HAS_LIMIT=False, INTERP=False, TMA=True, EVEN_K=True, EVEN_N=True, BM=bm, BK=bk, KB=16,
-                 GROUP_M=8)
-    for s, regs in ((3, None), (2, None), (2, 128)):
-        opts = {"num_warps": 8, "num_stages": s, **({"maxnreg": regs} if regs else {})}
-        print(f"{f'moe_prefill up 64x256 w8 s{s} maxnreg {regs}':40s} {stats(m._up_kernel, sig, const, **opts)}",
-              flush=True)
+    for persistent in (False, True):
+        const = dict(UE8M0=False, HAS_LIMIT=False, INTERP=False, TMA=True, EVEN_K=True, EVEN_N=True,
+                     PERSISTENT=persistent, BM=bm, BK=bk, KB=16, GROUP_M=8)
+        for s, regs in ((3, None), (2, None), (2, 128)):
+            opts = {"num_warps": 8, "num_stages": s, **({"maxnreg": regs} if regs else {})}
+            name = f"moe_prefill up{' pers' if persistent else ''} 64x256 w8 s{s} maxnreg {regs}"
+            print(f"{name:40s} {stats(m._up_kernel, sig, const, **opts)}", flush=True)
 
 
 def fp32_split_rows():
