@@ -31,6 +31,9 @@
 #                 SM (bench.moe_prefill --path new, ':r128' configs), bench.prefill piecewise 8x1k / 1x8k with its
 #                 device-op table (the memcpy rows and the fp32 SIMT GEMM should be gone; README "Performance")
 #                 (S41="tests fp32 attn moe step" by default: name a subset to split it over calls)
+#   PART=s42      session 42's unmeasured work: the MLA decode split count for eager decode groups wider than the
+#                 SMs (absorbed prefix-cache tails: 144 / 192 rows; bench.attention --splits 0 = the new rule vs 1 =
+#                 the old), then the MoE prefill GPU test (persistent configs) and the MoE sweep (S41="moe")
 #   PART=all      tests, prefill, grammar, indexer, mixed, orch, firstuse, step
 # Needs xgrammar importable (the engine imports it). The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
 # scripts/device_h200_served.sh with Ray and xgrammar importable (docs/performance.md, "Reproducing on a GPU machine without a package index").
@@ -186,5 +189,14 @@ if [ $PART = s41 ]; then
   fi
   # a device call returns at most 8 files: the logs and rows go back as one archive beside summary.txt
   (cd $OUT && tar czf s41_logs.tgz $(ls *.log *.jsonl *.json 2>/dev/null) && rm -f *.log *.jsonl *.json)
+fi
+if [ $PART = s42 ]; then
+  echo "== bench.attention decode: eager decode groups wider than the SMs (auto = 0 vs one split)" >> $S
+  timeout ${ATT_LIM:-150} python3 -m glm_ray.bench.attention --heads 32 64 --batch 144 192 264 --contexts 2048 \
+     --sparse-contexts --splits 0 1 2 3 4 --no-reference --json $OUT/wide_decode.jsonl > $OUT/wide_decode.log 2>&1
+  echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/wide_decode.log | tail -34 >> $S
+  echo "== gpu test moe_prefill (persistent, two-CTA configs)" >> $S
+  timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_moe_prefill.py > $OUT/moe_test.log 2>&1
+  echo "rc=$? $(tail -1 $OUT/moe_test.log)" >> $S; grep -E "^(FAILED|ERROR|E  )" $OUT/moe_test.log | cut -c1-300 | head -20 >> $S
 fi
 cat $S

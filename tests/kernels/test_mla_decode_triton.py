@@ -152,8 +152,19 @@ def test_default_num_splits():
     assert md.default_num_splits(1, 32, 576, 1024) == 16                     # 1024 // 64 keys
     assert md.default_num_splits(64, 16, 576, 1024) == 2
     assert md.default_num_splits(1, 16, 576, 16) == 1                         # never < 1
-    assert md.default_num_splits(264, 32, 576, 8192) == 1
+    assert md.default_num_splits(264, 32, 576, 8192) == 1                    # 2 whole waves: no split
     assert md.default_num_splits(100, 32, 576, 8192) == 1                     # > half the SMs: no split
+    # more tiles than SMs (absorbed prefill tails in an eager decode group): the fewest waves per unit of work
+    assert md.default_num_splits(144, 32, 576, 2304) == 4                     # 5 waves / 4 = 1.25 (1 split: 2)
+    assert md.default_num_splits(192, 32, 576, 2304) == 2                     # 3 / 2 = 1.5 (4: 6 / 4, a tie)
+    assert md.default_num_splits(133, 32, 576, 2304) == 4
+    assert md.default_num_splits(144, 32, 576, 512) == 2                      # >= 256 keys a split
+    assert md.default_num_splits(144, 32, 576, 300) == 1
+    assert md.default_num_splits(144, 64, 576, 2304) == 4                     # h = 64: one 64-head tile a row
+    for tiles in range(133, 800):                                             # never more waves of work than 1 split
+        s = md.default_num_splits(tiles, 32, 576, 8192)
+        assert 1 <= s <= md.WIDE_MAX_SPLITS
+        assert -(-tiles * s // md.NUM_SMS) / s <= -(-tiles // md.NUM_SMS)
     for B in (1, 8, 64):
         for h in (4, 16, 32, 64):
             for rng in (1, 100, 2048, 131072):

@@ -42,6 +42,8 @@ NUM_SMS = 132                 # H200 / H100 SXM; the split heuristic assumes it 
 LOG2E = 1.4426950408889634
 MERGE_R = 128                 # latent dims per merge program
 MAX_SPLITS = 64
+WIDE_MAX_SPLITS = 4           # more head tiles than SMs: at most this many splits (each one's partials go through
+WIDE_MIN_KEYS = 256           # the merge: B * h * r * 4 bytes a split), each of at least this many keys
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,12 +83,21 @@ def default_num_splits(batch: int, h: int, D: int, key_range: int, block_h: int 
     sparse 8k (B = 64: 2 splits 61 / 313 / 109 us vs 82 / 379 / 160 us for the earlier ~2-wave rule's 5;
     3 splits = 1.5 waves was the slowest). min_keys grows with h: a split writes an fp32 [h, r] partial and
     the merge reads it back (h * r * 8 bytes: 128 KiB at h = 32), so many short splits at large h would
-    move more partials than cache rows; at h = 32, 64-key splits still won (B = 1 and 8 at 1k)."""
+    move more partials than cache rows; at h = 32, 64-key splits still won (B = 1 and 8 at 1k).
+
+    More head tiles than SMs (an eager decode group holding a prefix-cache hit's absorbed tail: 16 decodes + a
+    128-token tail = 144 rows at h = 32): one split a tile leaves a partial last wave that costs a whole program's
+    time (144 programs = 2 waves for 1.09 waves of work). There the split count s <= WIDE_MAX_SPLITS, each split
+    >= WIDE_MIN_KEYS keys, minimizes waves(s) / s = ceil(tiles * s / NUM_SMS) / s, the smaller s on a tie (144
+    tiles: 4 splits, 5 waves of a quarter = 1.25 vs 2; 192: 2; a whole number of waves: 1). Not measured yet:
+    `bench.attention --heads 32 --batch 144 192 --contexts 2048 --splits 0 1 2 4` times it against one split."""
     block_h = block_h or _config(h, D)[0]
     tiles = batch * triton.cdiv(h, block_h)
     min_keys = 64 if h <= 32 else 4 * h
-    want = max(1, NUM_SMS // tiles)
-    return int(max(1, min(want, key_range // min_keys, MAX_SPLITS)))
+    if tiles <= NUM_SMS:
+        return int(max(1, min(NUM_SMS // tiles, key_range // min_keys, MAX_SPLITS)))
+    cap = max(1, min(WIDE_MAX_SPLITS, key_range // max(min_keys, WIDE_MIN_KEYS)))
+    return min(range(1, cap + 1), key=lambda s: (triton.cdiv(tiles * s, NUM_SMS) / s, s))
 
 
 # --------------------------------------------------------------------------------------------
