@@ -33,7 +33,8 @@
 #                 (S41="tests fp32 attn moe step" by default: name a subset to split it over calls)
 #   PART=s42      session 42's unmeasured work: the MLA decode split count for eager decode groups wider than the
 #                 SMs (absorbed prefix-cache tails: 144 / 192 rows; bench.attention --splits 0 = the new rule vs 1 =
-#                 the old), then the MoE prefill GPU test (persistent configs) and the MoE sweep (S41="moe")
+#                 the old), the MLA prefill launch order (--head-groups 1 vs 4 = the new default, twice each), the
+#                 MLA prefill and MoE prefill GPU tests (persistent configs); the MoE sweep is PART=s41 S41="moe"
 #   PART=all      tests, prefill, grammar, indexer, mixed, orch, firstuse, step
 # Needs xgrammar importable (the engine imports it). The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
 # scripts/device_h200_served.sh with Ray and xgrammar importable (docs/performance.md, "Reproducing on a GPU machine without a package index").
@@ -195,6 +196,13 @@ if [ $PART = s42 ]; then
   timeout ${ATT_LIM:-150} python3 -m glm_ray.bench.attention --heads 32 64 --batch 144 192 264 --contexts 2048 \
      --sparse-contexts --splits 0 1 2 3 4 --no-reference --json $OUT/wide_decode.jsonl > $OUT/wide_decode.log 2>&1
   echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/wide_decode.log | tail -34 >> $S
+  echo "== bench.attention prefill: launch order, head by head (1) vs 4 heads' tiles interleaved (4, the default)" >> $S
+  timeout ${ATT_LIM:-150} python3 -m glm_ray.bench.attention --mode prefill --heads 32 64 --prefill-shapes 8x1024 1x8192 \
+     --no-reference --head-groups 1 4 1 4 --json $OUT/launch_order.jsonl > $OUT/launch_order.log 2>&1
+  echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/launch_order.log | tail -24 >> $S
+  echo "== gpu test mla_prefill" >> $S
+  timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_mla_prefill.py > $OUT/mla_test.log 2>&1
+  echo "rc=$? $(tail -1 $OUT/mla_test.log)" >> $S; grep -E "^(FAILED|ERROR|E  )" $OUT/mla_test.log | cut -c1-300 | head -20 >> $S
   echo "== gpu test moe_prefill (persistent, two-CTA configs)" >> $S
   timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_moe_prefill.py > $OUT/moe_test.log 2>&1
   echo "rc=$? $(tail -1 $OUT/moe_test.log)" >> $S; grep -E "^(FAILED|ERROR|E  )" $OUT/moe_test.log | cut -c1-300 | head -20 >> $S

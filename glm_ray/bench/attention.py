@@ -28,7 +28,8 @@ dense BF16 peak (no sparsity). `--config BM BN WARPS STAGES` times
 one kernel config instead of the table's (tuning); `--sparse-tiles skip noskip` times
 the sparse rows once per way of walking the tiles (`mla_prefill.SparseTiles`; the default: the shipped one),
 `--sparse-only` skips the dense rows of sparse shapes, `--key-loads pointer tma` times every row once per way of
-loading the key tiles (pointer tiles, or TMA boxes: GLM_RAY_CUDA_MLA_PREFILL_TMA), interleaved in one process.
+loading the key tiles (pointer tiles, or TMA boxes: GLM_RAY_CUDA_MLA_PREFILL_TMA), interleaved in one process;
+`--head-groups 1 4` once per launch order of the programs (`mla_prefill_varlen`'s head_group).
 """
 from __future__ import annotations
 
@@ -206,7 +207,7 @@ def _prefill_case(h: int, B: int, L: int, prefix: int, dims: tuple[int, int, int
 
 def _measure_prefill(h: int, B: int, L: int, prefix: int, dims: tuple[int, int, int], sparse: bool,
                      block_size: int, iters: int, reference: bool, config, g: torch.Generator,
-                     tiles: SparseTiles = SparseTiles(), key_tma: bool = False) -> dict:
+                     tiles: SparseTiles = SparseTiles(), key_tma: bool = False, head_group: int | None = None) -> dict:
     dev = torch.device("cuda")
     dn, dr, dv = dims
     q, cache, w, grp, sel = _prefill_case(h, B, L, prefix, dims, block_size, sparse, dev, g)
@@ -216,7 +217,8 @@ def _measure_prefill(h: int, B: int, L: int, prefix: int, dims: tuple[int, int, 
         return F.linear(x, w)
     descs = mla_key_descriptors if key_tma else None
     ms = _time_ms(lambda: mla_prefill_group(q, cache, grp, sel, kv_b, max_bytes=ATTN_BYTES, config=config,
-                                            tiles=tiles, key_descriptors=descs, **kw), iters, graph=False)
+                                            tiles=tiles, key_descriptors=descs, head_group=head_group, **kw),
+                  iters, graph=False)
     ctx = prefix + L
     slots = grp.kv_slots.reshape(-1)                                        # [B * ctx]: the packed rows here
     expand_ms = _time_ms(lambda: kv_b(cache[slots][:, :R]), iters, graph=False)
@@ -224,7 +226,8 @@ def _measure_prefill(h: int, B: int, L: int, prefix: int, dims: tuple[int, int, 
     attn_flop = 2 * pairs * h * (dn + dr + dv)
     expand_flop = 2 * B * ctx * R * h * (dn + dv)
     attn_ms = max(ms - expand_ms, 1e-6)
-    mode = (f"sparse:{tiles_name(tiles)}" if sparse else "dense") + (":tma" if key_tma else "")
+    mode = ((f"sparse:{tiles_name(tiles)}" if sparse else "dense") + (":tma" if key_tma else "")
+            + (f":hg{head_group}" if head_group else ""))
     row = {"h": h, "B": B, "L": L, "prefix": prefix, "mode": mode, "us": ms * 1e3,
            "expand_us": expand_ms * 1e3, "attn_us": attn_ms * 1e3,
            "tflops": (attn_flop + expand_flop) / ms / 1e9, "attn_tflops": attn_flop / attn_ms / 1e9}
@@ -240,20 +243,23 @@ def _measure_prefill(h: int, B: int, L: int, prefix: int, dims: tuple[int, int, 
 @torch.inference_mode()
 def run_prefill(heads: list[int], shapes: list[tuple[int, int]], prefix: int, dims: tuple[int, int, int],
                 block_size: int, iters: int, reference: bool, config, tiles: list[SparseTiles] | None = None,
-                sparse_only: bool = False, key_loads: tuple[str, ...] = ("pointer",)) -> list[dict]:
+                sparse_only: bool = False, key_loads: tuple[str, ...] = ("pointer",),
+                head_groups: tuple[int | None, ...] = (None,)) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     rows = []
     for h in heads:
         n0 = len(rows)
         for B, L in shapes:
             sparse = prefix + L > SPARSE_K
-            for key_tma in (k == "tma" for k in key_loads):                 # interleaved: same inputs, one process
+            for key_tma, hg in ((k == "tma", hg) for k in key_loads for hg in head_groups):   # interleaved: one process
+                if hg is not None and h % hg:
+                    continue
                 if not (sparse and sparse_only):
                     rows.append(_measure_prefill(h, B, L, prefix, dims, False, block_size, iters, reference, config,
-                                                 g, key_tma=key_tma))
+                                                 g, key_tma=key_tma, head_group=hg))
                 for t in (tiles or [SparseTiles()]) if sparse else ():
                     rows.append(_measure_prefill(h, B, L, prefix, dims, True, block_size, iters, reference, config,
-                                                 g, tiles=t, key_tma=key_tma))
+                                                 g, tiles=t, key_tma=key_tma, head_group=hg))
         print_rows(rows[n0:], PREFILL_COLS, width=11)                       # one table per head count
         print(flush=True)
     return rows
@@ -301,6 +307,9 @@ def main(argv=None) -> int:
     p.add_argument("--key-loads", choices=["pointer", "tma"], nargs="+", default=["pointer"],
                    help="prefill mode: time every row once per way of loading the key tiles (pointer tiles, or TMA "
                         "boxes through tensor descriptors: GLM_RAY_CUDA_MLA_PREFILL_TMA)")
+    p.add_argument("--head-groups", type=int, nargs="+", default=None,
+                   help="prefill mode: time every row once per launch order (`mla_prefill` head_group: 1 = head by "
+                        "head, n = n heads' tiles interleaved, heaviest first; unset: the default)")
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference timings")
     p.add_argument("--splits", type=int, nargs="+", default=None,
                    help="decode mode: time each of these split-K counts per row (0: the heuristic's)")
@@ -315,7 +324,7 @@ def main(argv=None) -> int:
         rows = run_prefill(a.heads, a.prefill_shapes, a.prefix, PREFILL_DIMS[a.prefill_dims], a.block_size, a.iters,
                            not a.no_reference, tuple(a.config) if a.config else None,
                            [TILES[n] for n in a.sparse_tiles] if a.sparse_tiles else None, a.sparse_only,
-                           tuple(a.key_loads))
+                           tuple(a.key_loads), tuple(a.head_groups) if a.head_groups else (None,))
     else:
         rows = run(a.heads, a.batch, a.contexts, a.sparse_contexts, a.block_size, a.iters, not a.no_reference, a.splits,
                    a.decode_configs)

@@ -90,11 +90,11 @@ def make_selection(group, k: int, *, seed: int = 1, noncausal: bool = True) -> t
     return out
 
 
-def run_group(s, group, selection, *, max_bytes=BIG, config=SMALL, tiles=mp.SparseTiles()):
+def run_group(s, group, selection, *, max_bytes=BIG, config=SMALL, tiles=mp.SparseTiles(), head_group=None):
     kv_b = lambda x: x @ s["w"].T                                            # noqa: E731 — the layer's kv_b_proj
     kw = dict(kv_lora_rank=R, v_head_dim=s["dv"], scale=(s["dn"] + s["dr"]) ** -0.5)
     out = mp.mla_prefill_group(s["q"], s["kv_cache"], group, selection, kv_b, max_bytes=max_bytes, config=config,
-                               tiles=tiles, **kw)
+                               tiles=tiles, head_group=head_group, **kw)
     ref = attention.mla_prefill(s["q"], s["kv_cache"], group, selection, kv_b, **kw)
     return out, ref
 
@@ -190,6 +190,26 @@ def test_key_chunks_carry_the_softmax_state(sparse):
                                  g.max_context_len) == keys
             out, _ = check(s, g, sel, max_bytes=keys * per_pos)
             assert rel_err(out, one) <= 1e-5
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_launch_order_interleaving_heads_computes_every_tile_once(sparse):
+    """head_group (module docstring, "Launch order"): the programs take their (query tile, head) in an order that
+    interleaves the tiles of head_group heads — a permutation of the programs, so the output equals the head-by-head
+    order bit for bit, with one key chunk and with several (the online-softmax state rows are per (token, head))."""
+    s = make_step([12, 30, 5], [60, 30, 41], 4, seed=13)
+    assert mp.default_head_group(H) == 1 and mp.default_head_group(32) == mp.HEAD_GROUP == 4
+    assert mp.default_head_group(64) == 4 and mp.default_head_group(6) == 1
+    for g in s["groups"]:
+        sel = make_selection(g, 10, seed=14) if sparse else None
+        per_pos = g.num_seqs * ((R + s["dr"] + H * (s["dn"] + s["dv"])) * 4 + 8)
+        for max_bytes in (BIG, 16 * per_pos):
+            head_by_head, ref = run_group(s, g, sel, max_bytes=max_bytes, head_group=1)
+            interleaved, _ = run_group(s, g, sel, max_bytes=max_bytes, head_group=H)
+            assert torch.equal(interleaved, head_by_head)
+            assert rel_err(interleaved, ref) <= 1e-5
+    with pytest.raises(AssertionError):
+        run_group(s, s["groups"][0], None, head_group=2)                    # must divide h
 
 
 @pytest.mark.parametrize("chunks", [False, True])

@@ -31,6 +31,14 @@ Per call (one `AttnGroup`: B sequences, Tg = sum(query_lens) new tokens, packed 
   tile). `SparseTiles.skip_empty` branches around tiles no query of the tile picked; off by default,
   as the branch keeps the tile's loads out of the software pipeline and a random top-2048 of a few
   thousand keys leaves no tile empty.
+* Launch order: the tile table lists each head's heaviest tiles first (a sequence's last queries walk the
+  most keys), and the grid (tiles, h) is dispatched tiles-fastest, so head by head: the heaviest tiles of the
+  last head started with ~1/h of the work left, a tail of up to one heavy tile (1 x 8k: 64 key tiles against
+  ~16 of work left an SM). The programs take their (tile, head) in an order that interleaves the tiles of
+  HEAD_GROUP heads (`default_head_group`: 4 where it divides h): every group's heaviest tiles start first and
+  the last group's light ones end the launch, while the programs running at once still read the keys of only
+  a few heads (L2: 4 heads' expanded keys at 8k, 29 MB). Not measured yet (`bench.attention --mode prefill
+  --head-groups 1 4`).
 * Long contexts: when the expanded keys of the group (B * max_context_len rows of h * (dn + dv)
   values plus the gathered latents) would exceed `max_bytes`, the key positions are cut into chunks
   of whole BLOCK_N tiles and each chunk is gathered, expanded and attended in turn; the kernel keeps
@@ -90,6 +98,14 @@ def _config(d_qk: int, d_v: int) -> tuple[int, int, int, int]:
     at 247 / 245 / 378 TFLOPS (1x2k / 8x1k / 1x8k dense; 1x8k sparse 115) against 145 / 141 / 181 (83)
     for the earlier 64 x 64; with 4 or 16 warps 85-240; 3 stages, BN 128 or BM 256 did not launch."""
     return 128, 64, 8, 2
+
+
+HEAD_GROUP = 4                # heads whose query tiles are dispatched interleaved (`default_head_group`)
+
+
+def default_head_group(h: int) -> int:
+    """Heads a program's launch order interleaves: HEAD_GROUP where it divides h, else 1 (head by head)."""
+    return HEAD_GROUP if h % HEAD_GROUP == 0 else 1
 
 
 def _dn_split(dn: int) -> tuple[int, int, int]:
@@ -293,9 +309,16 @@ def _prefill_kernel(q_ptr, tok_ptr, kv_ptr, pe_ptr, bits_ptr, o_ptr, m_ptr, l_pt
                     BLOCK_DR: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr,
                     SKIP_EMPTY: tl.constexpr, BNW: tl.constexpr, TMA: tl.constexpr,
-                    FIRST: tl.constexpr, LAST: tl.constexpr, INTERP: tl.constexpr):
-    t = tl.program_id(0)
-    hd = tl.program_id(1)
+                    FIRST: tl.constexpr, LAST: tl.constexpr, HEAD_GROUP: tl.constexpr, INTERP: tl.constexpr):
+    if HEAD_GROUP == 1:
+        t = tl.program_id(0)
+        hd = tl.program_id(1)
+    else:                           # launch order (module docstring): HEAD_GROUP heads' tiles interleaved, heaviest first
+        nt = tl.num_programs(0)
+        lin = tl.program_id(1) * nt + tl.program_id(0)                        # the order blocks are dispatched in
+        w = lin % (HEAD_GROUP * nt)
+        t = w // HEAD_GROUP
+        hd = (lin // (HEAD_GROUP * nt)) * HEAD_GROUP + w % HEAD_GROUP
     b = tl.load(tile_seq_ptr + t)
     m0 = tl.load(tile_start_ptr + t)
     live = b >= 0
@@ -424,7 +447,7 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
                        indices: torch.Tensor | None = None, bits: torch.Tensor | None = None,
                        config: tuple[int, int, int, int] | None = None,
                        tiles: SparseTiles = SparseTiles(), out: torch.Tensor | None = None,
-                       key_descriptors: Callable | None = None) -> torch.Tensor:
+                       key_descriptors: Callable | None = None, head_group: int | None = None) -> torch.Tensor:
     """Naive MLA prefill of the group `plan` describes.
 
     q [T, h, dn+dr] rows of the whole step (bf16/fp16; unit last stride); kv_cache [S, r+dr] same
@@ -436,7 +459,7 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
     in q.dtype, in the packed order: `out` when given (any row / head strides, unit last stride), which the kernel
     writes directly. key_descriptors: the key tiles (k_nope, v, k_pe) load as TMA boxes through the host-side tensor
     descriptors this makes (`tma.mla_key_descriptors`, NVIDIA only) instead of pointer tiles, where the buffers'
-    strides allow (`key_tma_ok`).
+    strides allow (`key_tma_ok`). head_group: heads whose tiles are dispatched interleaved (`head_group`'s default).
     """
     T, h, dq = q.shape
     r, dv = kv_lora_rank, v_head_dim
@@ -444,6 +467,8 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
     dn = dq - dr
     block_m, block_n, num_warps, num_stages = config or _config(dq, dv)
     assert (block_m, block_n) == (plan.block_m, plan.block_n), (config, plan.block_m, plan.block_n)
+    hg = default_head_group(h) if head_group is None else head_group
+    assert hg >= 1 and h % hg == 0, (h, hg)
     assert kv_cache.dim() == 2 and kv_cache.dtype == q.dtype and kv_cache.stride(-1) == 1 and q.stride(-1) == 1
     assert dn >= MIN_DOT and dr >= 0 and dv >= 1, (dn, dr, dv)
     Tg = plan.num_tokens
@@ -471,8 +496,8 @@ def mla_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, kv_b: Callable[[
     consts = dict(DN1=dn1, DN2=dn2, BLOCK_DN2=block_dn2, DR=dr,
                   BLOCK_DR=max(MIN_DOT, triton.next_power_of_2(dr)) if dr else 0, DV=dv,
                   BLOCK_DV=max(MIN_DOT, triton.next_power_of_2(dv)), BLOCK_M=block_m, BLOCK_N=block_n,
-                  SPARSE=sparse, SKIP_EMPTY=tiles.skip_empty,
-                  BNW=max(1, block_n // 32), INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+                  SPARSE=sparse, SKIP_EMPTY=tiles.skip_empty, BNW=max(1, block_n // 32), HEAD_GROUP=hg,
+                  INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
     for ci, ch in enumerate(plan.chunks):                                     # key chunks (usually one)
         rows = kv_cache[ch.slots]                                             # [N, r+dr] gathered latents
         if ch.pad is not None:
@@ -507,7 +532,7 @@ def mla_prefill_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup,
                       kv_b: Callable[[torch.Tensor], torch.Tensor], *, kv_lora_rank: int, v_head_dim: int,
                       scale: float, max_bytes: int, config: tuple[int, int, int, int] | None = None,
                       tiles: SparseTiles = SparseTiles(), out: torch.Tensor | None = None,
-                      key_descriptors: Callable | None = None) -> torch.Tensor:
+                      key_descriptors: Callable | None = None, head_group: int | None = None) -> torch.Tensor:
     """The `mla_prefill` op on one group (the torch reference's arguments; selection None, int32 indices
     [B, Qmax, k] or the indexer's `SelectionBits`; `out` the [Tg, h, dv] destination). The group's plan is built
     on first use and shared by every layer."""
@@ -523,8 +548,8 @@ def mla_prefill_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttnGroup,
     bits = selection.bits if isinstance(selection, SelectionBits) else None
     return mla_prefill_varlen(q, kv_cache, kv_b, plan, kv_lora_rank=r, v_head_dim=dv, scale=scale,
                               indices=selection if bits is None else None, bits=bits, config=cfg, tiles=tiles,
-                              out=out, key_descriptors=key_descriptors)
+                              out=out, key_descriptors=key_descriptors, head_group=head_group)
 
 
-__all__ = ["KeyChunk", "PrefillPlan", "SparseTiles", "chunk_keys", "mla_prefill_group", "mla_prefill_varlen", "prefill_plan",
-           "selection_bits"]
+__all__ = ["KeyChunk", "PrefillPlan", "SparseTiles", "chunk_keys", "default_head_group", "mla_prefill_group",
+           "mla_prefill_varlen", "prefill_plan", "selection_bits"]

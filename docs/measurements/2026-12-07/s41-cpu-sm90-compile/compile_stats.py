@@ -60,7 +60,7 @@ def mla_prefill_rows():
                          "v_desc": f"tensordesc<bf16[{bn}, 256]>", "pe_desc": f"tensordesc<bf16[{bn}, 64]>"}
                 const = dict(DN1=dn1, DN2=dn2, BLOCK_DN2=bdn2, DR=64, BLOCK_DR=64, DV=256, BLOCK_DV=256, BLOCK_M=bm,
                              BLOCK_N=bn, SPARSE=sparse, SKIP_EMPTY=False, BNW=max(1, bn // 32), TMA=tma, FIRST=True,
-                             LAST=True, INTERP=False)
+                             LAST=True, HEAD_GROUP=1, INTERP=False)
                 if tma:
                     sig.update(descs)
                 else:
