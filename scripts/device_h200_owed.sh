@@ -200,9 +200,11 @@ if [ $PART = s42 ]; then
   timeout ${ATT_LIM:-150} python3 -m glm_ray.bench.attention --mode prefill --heads 32 64 --prefill-shapes 8x1024 1x8192 \
      --no-reference --head-groups 1 4 1 4 --json $OUT/launch_order.jsonl > $OUT/launch_order.log 2>&1
   echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/launch_order.log | tail -24 >> $S
-  echo "== gpu test mla_prefill" >> $S
-  timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_mla_prefill.py > $OUT/mla_test.log 2>&1
-  echo "rc=$? $(tail -1 $OUT/mla_test.log)" >> $S; grep -E "^(FAILED|ERROR|E  )" $OUT/mla_test.log | cut -c1-300 | head -20 >> $S
+  for f in tests/gpu/test_cuda_mla_decode.py tests/gpu/test_cuda_mla_prefill.py; do
+    echo "== gpu test $f" >> $S
+    timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider $f > $OUT/mla_test.log 2>&1
+    echo "rc=$? $(tail -1 $OUT/mla_test.log)" >> $S; grep -E "^(FAILED|ERROR|E  )" $OUT/mla_test.log | cut -c1-300 | head -20 >> $S
+  done
   echo "== gpu test moe_prefill (persistent, two-CTA configs)" >> $S
   timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_moe_prefill.py > $OUT/moe_test.log 2>&1
   echo "rc=$? $(tail -1 $OUT/moe_test.log)" >> $S; grep -E "^(FAILED|ERROR|E  )" $OUT/moe_test.log | cut -c1-300 | head -20 >> $S

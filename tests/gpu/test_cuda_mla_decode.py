@@ -96,6 +96,20 @@ def test_sparse(h):
     run_both(*make_case(h, 16, ctx64, seed=8), 16, make_indices(ctx64, 2048, seed=9))
 
 
+@pytest.mark.parametrize("h", [32, 64])
+def test_decode_group_wider_than_the_sms(h):
+    """A mixed step's eager decode group holding an absorbed prefix-cache tail: 16 decoding rows + 128 one-query
+    rows of one sequence at consecutive positions past a 2048-token prefix (144 head tiles > 132 SMs: the default
+    takes 4 splits); the default and one split both equal the reference."""
+    from glm_ray.kernels.cuda.mla_decode import default_num_splits  # noqa: PLC0415 (imports triton)
+    ctxs = [1100 + 37 * i for i in range(16)] + [2049 + i for i in range(128)]
+    q, kv, bt, cl = make_case(h, 64, ctxs, seed=12)
+    assert default_num_splits(len(ctxs), h, D, bt.shape[1] * 64) == 4
+    auto = run_both(q, kv, bt, cl, 64)
+    one = run_both(q, kv, bt, cl, 64, num_splits=1)
+    assert float((auto.float() - one.float()).norm() / one.float().norm()) <= 1e-2
+
+
 def test_cuda_graph_replay():
     h, bs, K = 32, 16, 2048
     ctx_a = [8192, 17, 1, 3000, 1000, 64, 5000, 2]

@@ -169,6 +169,22 @@ def test_tma_key_loads(h, dims, sparse):
 
 
 @pytest.mark.parametrize("sparse", [False, True])
+def test_launch_order_changes_nothing(sparse):
+    """`head_group` (the programs' launch order: 4 heads' query tiles interleaved, the default at h = 32 / 64, vs
+    head by head): the same programs in another order, so the output is bit for bit the same, whole and in key
+    chunks."""
+    from glm_ray.kernels.cuda import mla_prefill as mp  # noqa: PLC0415 (imports triton)
+    q, cache, w, groups = make_step(*STEPS["mixed"], 32, **GLM5, seed=77)
+    kw = dict(kv_lora_rank=R, v_head_dim=GLM5["dv"], scale=q.shape[-1] ** -0.5)
+    for mb in (1 << 30, 64 << 20):
+        for gi, grp in enumerate(groups):
+            sel = topk_selection(grp, seed=gi) if sparse else None
+            outs = [mp.mla_prefill_group(q, cache, grp, sel, lambda x: F.linear(x, w), max_bytes=mb, head_group=hg,
+                                         **kw) for hg in (1, 4, None)]
+            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+
+
+@pytest.mark.parametrize("sparse", [False, True])
 def test_key_chunks(cuda_ops, sparse):
     # 64 MiB of expanded keys at h = 32: the 8k contexts take several chunks
     q, cache, w, groups = make_step(*STEPS["mixed"], 32, **GLM5, seed=7)
