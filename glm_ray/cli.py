@@ -96,11 +96,11 @@ def _url_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def _throughput_optimized(a, sa) -> int:
+def _throughput_optimized(a, sa) -> None:
     """Ray Serve's throughput-optimized mode for the local Ray `cmd_serve` starts: the variables every Ray process
     reads at import (so set before the first ray import), the ingress replica's HTTP port = --port (Ray allocates
     direct-ingress ports from [RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, ..._MAX_HTTP_PORT)), and replica logs kept on the console as
-    in the default mode. Returns the free port Serve's proxy (still started on the head node) moves to."""
+    in the default mode. Serve's proxy (still started on the head node) moves to `_free_port` (after ray.init)."""
     if a.address:
         raise SystemExit("--throughput-optimized configures the local Ray; on a cluster set "
                          "RAY_SERVE_THROUGHPUT_OPTIMIZED=1 and RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT on every node")
@@ -112,8 +112,14 @@ def _throughput_optimized(a, sa) -> int:
     os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = str(a.port)
     os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(a.port + 1)
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "1")
-    with socket.socket() as s:                    # a free port for the proxy, off the replica's
-        s.bind((a.host, 0))
+
+
+def _free_port(host: str) -> int:
+    """A port free on `host` now, off the replica's: probed just before Serve's proxy binds it, after ray.init
+    (Ray's own processes take ephemeral ports while they start: a CI run once saw the proxy's port, probed
+    before ray.init, taken by then)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -122,7 +128,8 @@ def cmd_serve(a) -> int:
     app_args = serve_app_args(a)
     sa = ServeArgs.from_dict(app_args)          # bad flags fail here, before Ray starts
     loopback = not a.address and _is_loopback(a.ray_node_ip)
-    proxy_port = _throughput_optimized(a, sa) if a.throughput_optimized else a.port
+    if a.throughput_optimized:
+        _throughput_optimized(a, sa)
     # the proxy's request-id guard (serve/proxy_middleware.py), read by the proxy actor Ray starts here
     os.environ.setdefault(proxy_middleware.ENV, proxy_middleware.IMPORT_PATH)
     if loopback:
@@ -151,6 +158,7 @@ def cmd_serve(a) -> int:
                  _system_config={"metrics_report_interval_ms": a.metrics_report_interval_ms})
     signal.signal(signal.SIGTERM, _raise_interrupt)     # `kill PID` stops as cleanly as Ctrl-C
     try:
+        proxy_port = _free_port(a.host) if a.throughput_optimized else a.port
         serve.start(http_options={"host": a.host, "port": proxy_port})
         serve.run(build_app(app_args), name="glm-ray", route_prefix="/", blocking=False)
         url = f"http://{_url_host(a.host)}:{a.port}"
