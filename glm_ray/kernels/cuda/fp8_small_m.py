@@ -48,20 +48,18 @@ as in triton_kernels.py.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from glm_ray.kernels.cuda.layout import cdiv
+from glm_ray.kernels.cuda.layout import DEFAULT_SMS, cdiv, num_sms
 from glm_ray.kernels.cuda.triton_kernels import ACT_EPS, FP8_MAX, INTERPRET, _fp8_group_quant
 from glm_ray.kernels.streams import LANES, lane
 
 MAX_M = 64                      # the design point: BM <= 64 rows in one tile
 GROUP = 128                     # activation quant group = weight block (both 128 along K)
-DEFAULT_SMS = 132               # H100/H200 SXM; used off-GPU (interpreter) for the split heuristic
 PROGRAMS_PER_SM = {16: 4, 32: 2, 64: 2}   # split-K target per BM: about this many programs per SM
 PARTIAL_BYTES_FRACTION = 0.5    # cap: split-K partial traffic <= this fraction of the weight bytes
 SUM_BLOCK = 256                 # elements per program of the split-K reduction ("kernel")
@@ -107,14 +105,6 @@ TUNED: dict[tuple[int, int, int], tuple[int, int, int, str]] = {
     # indexer wk
     (128, 2048, 16): (32, 16, 4, "kernel"), (128, 2048, 32): (64, 16, 8, "kernel"), (128, 2048, 64): (64, 8, 8, "kernel"),
 }
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_type: str, index: int | None) -> int:
-    if device_type != "cuda":
-        return DEFAULT_SMS
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
-                                            ).multi_processor_count
 
 
 def small_m_config(m: int, n: int, k: int, *, split_k: int | None = None, num_sms: int = DEFAULT_SMS,
@@ -272,7 +262,7 @@ def block_fp8_linear_small_m(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torc
         return torch.zeros(m, n, dtype=odt, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = config or small_m_config(m, n, k, split_k=split_k, num_sms=_sm_count(x.device.type, x.device.index))
+    cfg = config or small_m_config(m, n, k, split_k=split_k, num_sms=num_sms(x.device))
     groups = cdiv(k, GROUP)
     assert cfg.split * cfg.groups_per_split >= groups and GROUP % cfg.block_n == 0 and cfg.block_m >= m, cfg
     kdt = torch.float32 if INTERPRET else odt          # interpreter: fp32 out, cast by torch (see docstring)

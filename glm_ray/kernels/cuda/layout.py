@@ -27,6 +27,7 @@ tensor (someone called `.contiguous()`), `padded_base` returns None and the op p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -36,8 +37,23 @@ SCALED_MM_M_ALIGN = 4            # rows of the activation operand
 BLOCK = (128, 128)
 
 
+DEFAULT_SMS = 132                # H100 / H200 SXM: the tile heuristics' SM count off a CUDA device (interpreter)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (cached per device; DEFAULT_SMS off CUDA)."""
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def round_up(a: int, b: int) -> int:

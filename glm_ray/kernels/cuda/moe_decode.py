@@ -49,17 +49,15 @@ kernels run on CPU (constexpr trip counts; fp32 stage outputs, cast by torch, as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
-from glm_ray.kernels.cuda.layout import cdiv
+from glm_ray.kernels.cuda.layout import DEFAULT_SMS, cdiv, num_sms
 from glm_ray.kernels.cuda.triton_kernels import ACT_EPS, FP8_MAX, INTERPRET, _fp8_group_quant
 
 FP8_GROUP = 128                  # 1x128 activation groups, 128x128 weight blocks
-DEFAULT_SMS = 132                # H200; used without a CUDA device (interpreter tests)
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,18 +191,6 @@ class DecodeConfig:
     bk2: int            # stage 2: intermediate columns per step (fp8: a multiple of 128)
     warps2: int
     stages2: int
-
-
-@lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (cached; DEFAULT_SMS off CUDA)."""
-    if device.type != "cuda":
-        return DEFAULT_SMS
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _block_k(target: int, k: int, cap: int) -> int:

@@ -50,9 +50,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from glm_ray.kernels.cuda.layout import TileConfig, cdiv, moe_prefill_configs
+from glm_ray.kernels.cuda.layout import TileConfig, cdiv, moe_prefill_configs, num_sms
 from glm_ray.kernels.cuda.moe_align import moe_align_auto
-from glm_ray.kernels.cuda.moe_decode import num_sms
 from glm_ray.kernels.cuda.triton_kernels import (
     ACT_EPS,
     FP8_MAX,
