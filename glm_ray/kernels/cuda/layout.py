@@ -297,7 +297,10 @@ FP32_LINEAR_PROGRAMS = 128  # programs a launch aims at (~one per H200 SM)
 # From this many rows (bf16 / fp16 x: prefill and mixed steps) `fp32_linear` runs on the tensor cores with the weight
 # split into three bf16 parts (fp32_linear.py, `split3`): the session-34 profile of a glm5-flash-31b 8 x 1k step had
 # cuBLAS's fp32 SIMT GEMM (`sm80_xmma_gemm_f32f32`) at 2.7 ms a step (58 us a router call, ~37 TFLOP/s). Below it
-# (decode) the paths measured in session 25 stay. Not measured on a GPU yet.
+# (decode) the paths measured in session 25 stay. H100, session 43 (`bench_kernels --prefill-fp32-linear`): the split
+# kernel vs cuBLAS fp32 at M = 512 / 2048 / 8192 — flash router 22.1 / 24.1 / 33.4 vs 24.6 / 42.3 / 117.0 us, GLM-5
+# router 57.1 / 63.4 / 146.2 vs 70.7 / 183.3 / 663.8; the indexer's weights_proj tie at flash M = 512 (21.4 vs 20.6)
+# and lose at GLM-5's (56.0 vs 40.8; from 2,048 rows they win 1.7-4.1x): 512 stays, 1,024 is unmeasured.
 FP32_LINEAR_SPLIT_MIN_ROWS = 512
 
 
