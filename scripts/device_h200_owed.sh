@@ -212,29 +212,36 @@ if [ $PART = s42 ]; then
   echo "rc=$? $(tail -1 $OUT/moe_test.log)" >> $S; grep -E "^(FAILED|ERROR|E  )" $OUT/moe_test.log | cut -c1-300 | head -20 >> $S
 fi
 if [ $PART = s43 ]; then   # session 43: what session 42's PART=s42 and session 41's "attn" owe, in priority order
-  echo "== gpu tests: the wide decode group (16 decodes + a 128-row tail, 4 splits); the split fp32 GEMM's bound" >> $S
-  for f in "tests/gpu/test_cuda_mla_decode.py" "tests/gpu/test_cuda_routing.py -k fp32_linear_prefill_split"; do
+  s43() { [[ " ${S43:-tests wide order tma moe} " == *" $1 "* ]]; }   # S43= picks steps (a short call: "tests wide")
+  s43 tests && echo "== gpu tests: the wide decode group (16 decodes + a 128-row tail, 4 splits); the split fp32 GEMM's bound" >> $S
+  s43 tests && for f in "tests/gpu/test_cuda_mla_decode.py" "tests/gpu/test_cuda_routing.py -k fp32_linear_prefill_split"; do
     timeout ${TEST_LIM:-100} python3 -m pytest -q -p no:cacheprovider $f > $OUT/t.log 2>&1
     echo "$f rc=$? $(tail -1 $OUT/t.log)" >> $S; grep -E "^(FAILED|ERROR|E  )" $OUT/t.log | cut -c1-300 | head -12 >> $S
   done
+  if s43 wide; then
   echo "== bench.attention decode: eager decode groups wider than the SMs (splits 0 = auto)" >> $S
   timeout ${ATT_LIM:-100} python3 -m glm_ray.bench.attention --heads 32 64 --batch 144 192 --contexts 2048 \
      --sparse-contexts --splits 0 1 2 4 --no-reference --iters 30 --json $OUT/wide_decode.jsonl > $OUT/wide_decode.log 2>&1
   echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/wide_decode.log | tail -20 >> $S
+  fi
+  if s43 order; then
   echo "== bench.attention prefill: launch order 1 (head by head) vs 4 (default), x2 interleaved" >> $S
   timeout ${ATT_LIM:-100} python3 -m glm_ray.bench.attention --mode prefill --heads 32 --prefill-shapes 8x1024 1x8192 \
      --no-reference --head-groups 1 4 1 4 --iters 20 --json $OUT/launch_order.jsonl > $OUT/launch_order.log 2>&1
   echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/launch_order.log | tail -14 >> $S
-  for c in "128 64 8 2" "64 64 8 2"; do
+  fi
+  s43 tma && for c in "128 64 8 2" "64 64 8 2"; do
     echo "== bench.attention prefill: key tiles pointer vs TMA at $c" >> $S
     timeout ${ATT_LIM:-100} python3 -m glm_ray.bench.attention --mode prefill --heads 32 --prefill-shapes 8x1024 1x8192 \
        --no-reference --key-loads pointer tma --config $c --iters 20 --json $OUT/attn_tma.jsonl > $OUT/t.log 2>&1
     echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/t.log | tail -10 >> $S; cat $OUT/t.log >> $OUT/attn_tma.log
   done; rm -f $OUT/t.log
+  if s43 moe; then
   echo "== bench.moe_prefill new kernels: one vs two CTAs an SM, persistent (:p1)" >> $S
   timeout ${MOE_LIM:-150} python3 -m glm_ray.bench.moe_prefill --geo flash --mode fp8 --tokens 8192 --path new \
      --new-configs default 64:256:128:128:8:8:2:tma:r128 64:256:128:128:8:8:3:tma:p1 64:256:128:128:8:8:2:tma:p1 --stages \
      --json $OUT/moe_new.jsonl > $OUT/moe_new.log 2>&1; echo "rc=$?" >> $S
   grep -E "^ *(flash|glm5) " $OUT/moe_new.log | cut -c1-250 >> $S
+  fi
 fi
 cat $S
