@@ -183,3 +183,24 @@ def test_dispatch_takes_the_prefill_kernels_and_falls_back_to_the_grouped_ones(m
     assert sum(ck.fallbacks.values()) == 2
     monkeypatch.setenv("GLM_RAY_CUDA_MOE_PREFILL_ROWS", "0")
     assert CudaKernels().moe_prefill_rows == 0
+
+
+def test_long_calls_run_in_token_chunks_with_the_same_result(mp, monkeypatch):
+    """Past MAX_PAIRS_PER_CHUNK (token, expert) pairs both MoE paths run consecutive token chunks (bounding their
+    [P, I] temporaries): with the bound at 16 pairs (8 tokens at top-2) a 21-token call is 3 chunks, and each path's
+    rows equal its one-call result bit for bit (tokens are independent; a chunk's combine sums the same pairs)."""
+    from glm_ray.kernels.cuda import triton_kernels as tk
+    c = _case(21, seed=5)
+    whole_new, whole_old = _prefill(mp, c), _grouped(c)
+    calls = []
+    real = mp.fused_moe_prefill
+    monkeypatch.setattr(tk, "MAX_PAIRS_PER_CHUNK", 16)
+    monkeypatch.setattr(mp, "fused_moe_prefill", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    assert torch.equal(real(c.x, c.w13, c.w2, c.topk_weights, c.topk_ids, w13_scale=c.s13, w2_scale=c.s2), whole_new)
+    assert calls == [8, 8, 5]
+    calls.clear()
+    real_old = tk.fused_moe_triton
+    monkeypatch.setattr(tk, "fused_moe_triton", lambda x, *a, **kw: calls.append(x.shape[0]) or real_old(x, *a, **kw))
+    assert torch.equal(real_old(c.x, c.w13, c.w2, c.topk_weights, c.topk_ids, w_mode="fp8", w13_scale=c.s13,
+                                w2_scale=c.s2), whole_old)
+    assert calls == [8, 8, 5]

@@ -56,10 +56,11 @@ from glm_ray.kernels.cuda.triton_kernels import (
     ACT_EPS,
     FP8_MAX,
     INTERPRET,
-    MAX_PAIRS_PER_CHUNK,
     _fp8_group_quant,
     _store_pair_rows,
     _swizzle,
+    in_token_chunks,
+    pair_chunk_tokens,
 )
 
 GROUP = 128                      # 1x128 activation groups, 128x128 weight blocks
@@ -384,13 +385,10 @@ def fused_moe_prefill(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     k = topk_ids.shape[1]
     if t == 0:
         return x.new_zeros(t, d)
-    chunk_t = max(1, MAX_PAIRS_PER_CHUNK // k)
-    if t > chunk_t:
-        return torch.cat([fused_moe_prefill(x[i:i + chunk_t], w13, w2, topk_weights[i:i + chunk_t],
-                                            topk_ids[i:i + chunk_t], w13_scale=w13_scale, w2_scale=w2_scale,
-                                            hidden_pad=hidden_pad, intermediate_pad=intermediate_pad,
-                                            swiglu_limit=swiglu_limit, act_ue8m0=act_ue8m0, configs=configs)
-                          for i in range(0, t, chunk_t)])
+    if t > pair_chunk_tokens(k):
+        return in_token_chunks(fused_moe_prefill, x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
+                               w2_scale=w2_scale, hidden_pad=hidden_pad, intermediate_pad=intermediate_pad,
+                               swiglu_limit=swiglu_limit, act_ue8m0=act_ue8m0, configs=configs)
     e = w13.shape[0]
     i_real = w13.shape[1] // 2 - intermediate_pad
     p = t * k

@@ -437,6 +437,19 @@ def _combine(out_pairs: torch.Tensor, t: int, k: int, d: int, dtype: torch.dtype
 MAX_PAIRS_PER_CHUNK = 65536      # bounds the [P, I] / [P, D] temporaries (P = tokens x top_k)
 
 
+def pair_chunk_tokens(top_k: int) -> int:
+    """Tokens in one MoE call's chunk: at most MAX_PAIRS_PER_CHUNK (token, expert) pairs."""
+    return max(1, MAX_PAIRS_PER_CHUNK // top_k)
+
+
+def in_token_chunks(moe_fn, x, w13, w2, topk_weights, topk_ids, **kw) -> torch.Tensor:
+    """`moe_fn` over consecutive chunks of `pair_chunk_tokens` tokens, concatenated (a few launches per 64k pairs:
+    whole long prefills only)."""
+    n = pair_chunk_tokens(topk_ids.shape[1])
+    return torch.cat([moe_fn(x[i:i + n], w13, w2, topk_weights[i:i + n], topk_ids[i:i + n], **kw)
+                      for i in range(0, x.shape[0], n)])
+
+
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, w_mode: str, w13_scale=None, w2_scale=None, hidden_pad: int = 0,
                      intermediate_pad: int = 0, swiglu_limit: float | None = None, act_ue8m0: bool = False,
@@ -447,14 +460,11 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     k = topk_ids.shape[1]
     if t == 0:
         return x.new_zeros(t, d)
-    chunk_t = max(1, MAX_PAIRS_PER_CHUNK // k)
-    if t > chunk_t:
-        return torch.cat([fused_moe_triton(x[i:i + chunk_t], w13, w2, topk_weights[i:i + chunk_t],
-                                           topk_ids[i:i + chunk_t], w_mode=w_mode, w13_scale=w13_scale,
-                                           w2_scale=w2_scale, hidden_pad=hidden_pad,
-                                           intermediate_pad=intermediate_pad, swiglu_limit=swiglu_limit,
-                                           act_ue8m0=act_ue8m0, mx_act_mode=mx_act_mode)
-                          for i in range(0, t, chunk_t)])
+    if t > pair_chunk_tokens(k):
+        return in_token_chunks(fused_moe_triton, x, w13, w2, topk_weights, topk_ids, w_mode=w_mode,
+                               w13_scale=w13_scale, w2_scale=w2_scale, hidden_pad=hidden_pad,
+                               intermediate_pad=intermediate_pad, swiglu_limit=swiglu_limit, act_ue8m0=act_ue8m0,
+                               mx_act_mode=mx_act_mode)
     e = w13.shape[0]
     half = w13.shape[1] // 2                       # I' (rows of one half, padding included)
     i_real = half - intermediate_pad
