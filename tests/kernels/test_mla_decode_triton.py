@@ -155,12 +155,12 @@ def test_default_num_splits():
     assert md.default_num_splits(264, 32, 576, 8192) == 1                    # 2 whole waves: no split
     assert md.default_num_splits(100, 32, 576, 8192) == 1                     # > half the SMs: no split
     # more tiles than SMs (absorbed prefill tails in an eager decode group): the fewest waves per unit of work
-    assert md.default_num_splits(144, 32, 576, 2304) == 4                     # 5 waves / 4 = 1.25 (1 split: 2)
-    assert md.default_num_splits(192, 32, 576, 2304) == 2                     # 3 / 2 = 1.5 (4: 6 / 4, a tie)
-    assert md.default_num_splits(133, 32, 576, 2304) == 4
+    assert md.default_num_splits(144, 32, 576, 2304) == 2                     # 3 waves / 2 = 1.5 (1 split: 2)
+    assert md.default_num_splits(192, 32, 576, 2304) == 2                     # 3 / 2 = 1.5
+    assert md.default_num_splits(133, 32, 576, 2304) == 2
     assert md.default_num_splits(144, 32, 576, 512) == 2                      # >= 256 keys a split
     assert md.default_num_splits(144, 32, 576, 300) == 1
-    assert md.default_num_splits(144, 64, 576, 2304) == 4                     # h = 64: one 64-head tile a row
+    assert md.default_num_splits(144, 64, 576, 2304) == 2                     # h = 64: one 64-head tile a row
     for tiles in range(133, 800):                                             # never more waves of work than 1 split
         s = md.default_num_splits(tiles, 32, 576, 8192)
         assert 1 <= s <= md.WIDE_MAX_SPLITS

@@ -42,7 +42,7 @@ NUM_SMS = 132                 # H200 / H100 SXM; the split heuristic assumes it 
 LOG2E = 1.4426950408889634
 MERGE_R = 128                 # latent dims per merge program
 MAX_SPLITS = 64
-WIDE_MAX_SPLITS = 4           # more head tiles than SMs: at most this many splits (each one's partials go through
+WIDE_MAX_SPLITS = 2           # more head tiles than SMs: at most this many splits (each one's partials go through
 WIDE_MIN_KEYS = 256           # the merge: B * h * r * 4 bytes a split), each of at least this many keys
 
 
@@ -89,8 +89,11 @@ def default_num_splits(batch: int, h: int, D: int, key_range: int, block_h: int 
     128-token tail = 144 rows at h = 32): one split a tile leaves a partial last wave that costs a whole program's
     time (144 programs = 2 waves for 1.09 waves of work). There the split count s <= WIDE_MAX_SPLITS, each split
     >= WIDE_MIN_KEYS keys, minimizes waves(s) / s = ceil(tiles * s / NUM_SMS) / s, the smaller s on a tie (144
-    tiles: 4 splits, 5 waves of a quarter = 1.25 vs 2; 192: 2; a whole number of waves: 1). Not measured yet:
-    `bench.attention --heads 32 --batch 144 192 --contexts 2048 --splits 0 1 2 4` times it against one split."""
+    and 192 tiles: 2 splits, 1.5 vs 2; a whole number of waves: 1). Measured on an H100 (session 43, `bench.attention
+    --heads 32 64 --batch 144 192 --contexts 2048 --splits 0 1 2 4`, docs/measurements/2026-12-07): 144 rows at h = 32
+    247 / 287 / 262 us with 2 / 1 / 4 splits (h = 64: 380 / 450 / 416), 192 rows 265 / 299 / 327 (h = 64: 398 / 451 /
+    522) — 2 splits fastest at both, so the waves model holds only up to 2 splits (4 splits' shorter key ranges and
+    merged partials cost more than the quarter-wave saves): WIDE_MAX_SPLITS = 2."""
     block_h = block_h or _config(h, D)[0]
     tiles = batch * triton.cdiv(h, block_h)
     min_keys = 64 if h <= 32 else 4 * h

@@ -555,7 +555,8 @@ class CudaKernels:
             return slow()
         from glm_ray.kernels.cuda.mla_prefill import mla_prefill_group  # noqa: PLC0415 (imports triton)
         descs = None
-        if self.mla_key_tma and not getattr(torch.version, "hip", None):  # TMA: NVIDIA only
+        if (self.mla_key_tma and q.is_cuda and not getattr(torch.version, "hip", None)
+                and self.capability(q.device) >= (9, 0)):                  # TMA: NVIDIA Hopper and later
             from glm_ray.kernels.cuda.tma import mla_key_descriptors as descs  # noqa: PLC0415 (imports triton)
         return self._guarded("mla_prefill", lambda: mla_prefill_group(q, kv_cache, group, selection, kv_b,
                                                                       key_descriptors=descs, **kw), slow)
