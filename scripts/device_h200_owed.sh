@@ -212,7 +212,7 @@ if [ $PART = s42 ]; then
   echo "rc=$? $(tail -1 $OUT/moe_test.log)" >> $S; grep -E "^(FAILED|ERROR|E  )" $OUT/moe_test.log | cut -c1-300 | head -20 >> $S
 fi
 if [ $PART = s43 ]; then   # session 43: what session 42's PART=s42 and session 41's "attn" owe, in priority order
-  s43() { [[ " ${S43:-tests wide order tma moe} " == *" $1 "* ]]; }   # S43= picks steps (a short call: "tests wide")
+  s43() { [[ " ${S43:-order moe step} " == *" $1 "* ]]; }   # S43= picks steps (also: tests wide tma, run in session 43)
   s43 tests && echo "== gpu tests: the wide decode group (16 decodes + a 128-row tail, 4 splits); the split fp32 GEMM's bound" >> $S
   s43 tests && for f in "tests/gpu/test_cuda_mla_decode.py" "tests/gpu/test_cuda_routing.py -k fp32_linear_prefill_split"; do
     timeout ${TEST_LIM:-100} python3 -m pytest -q -p no:cacheprovider $f > $OUT/t.log 2>&1
@@ -242,6 +242,12 @@ if [ $PART = s43 ]; then   # session 43: what session 42's PART=s42 and session 
      --new-configs default 64:256:128:128:8:8:2:tma:r128 64:256:128:128:8:8:3:tma:p1 64:256:128:128:8:8:2:tma:p1 --stages \
      --json $OUT/moe_new.jsonl > $OUT/moe_new.log 2>&1; echo "rc=$?" >> $S
   grep -E "^ *(flash|glm5) " $OUT/moe_new.log | cut -c1-250 >> $S
+  fi
+  if s43 step; then   # the step with the defaults of this tree (TMA key loads on): vs session 43's 137.0 / 323.5 ms (H100)
+  echo "== bench.prefill piecewise glm5-flash-31b" >> $S
+  timeout ${STEP_LIM:-200} python3 -m glm_ray.bench.prefill glm5-flash-31b --shape 8x1024 1x8192 --quant fp8 --device cuda \
+     --profile-top 14 --modes piecewise --piecewise-max-tokens 8192 --json $OUT/prefill_s43.jsonl > $OUT/prefill_s43.log 2>&1
+  echo "rc=$?" >> $S; grep -A 18 "^ *model |" $OUT/prefill_s43.log | grep -vE "INFO|WARNING" | head -60 >> $S
   fi
 fi
 cat $S
