@@ -31,12 +31,8 @@
 #                 SM (bench.moe_prefill --path new, ':r128' configs), bench.prefill piecewise 8x1k / 1x8k with its
 #                 device-op table (the memcpy rows and the fp32 SIMT GEMM should be gone; README "Performance")
 #                 (S41="tests fp32 attn moe step" by default: name a subset to split it over calls)
-#   PART=s42      session 42's unmeasured work: the MLA decode split count for eager decode groups wider than the
-#                 SMs (absorbed prefix-cache tails: 144 / 192 rows; bench.attention --splits 0 = the new rule vs 1 =
-#                 the old), the MLA prefill launch order (--head-groups 1 vs 4 = the new default, twice each), the
-#                 MLA prefill and MoE prefill GPU tests (persistent configs); the MoE sweep is PART=s41 S41="moe"
 #   PART=s43      the wide-decode and fp32-split GPU tests, then the split-count, launch-order, key-load and MoE
-#                 persistent A/Bs (session 42's PART=s42 and session 41's attn / moe, cut to fit one call)
+#                 persistent A/Bs (session 42's work and session 41's attn / moe; S43= picks)
 #   PART=all      tests, prefill, grammar, indexer, mixed, orch, firstuse, step
 # Needs xgrammar importable (the engine imports it). The served ones (prefix cache on/off #22, served async #19) need Ray: scripts/prefix_cache_ab.sh and
 # scripts/device_h200_served.sh with Ray and xgrammar importable (docs/performance.md, "Reproducing on a GPU machine without a package index").
@@ -193,25 +189,7 @@ if [ $PART = s41 ]; then
   # a device call returns at most 8 files: the logs and rows go back as one archive beside summary.txt
   (cd $OUT && tar czf s41_logs.tgz $(ls *.log *.jsonl *.json 2>/dev/null) && rm -f *.log *.jsonl *.json)
 fi
-if [ $PART = s42 ]; then
-  echo "== bench.attention decode: eager decode groups wider than the SMs (auto = 0 vs one split)" >> $S
-  timeout ${ATT_LIM:-150} python3 -m glm_ray.bench.attention --heads 32 64 --batch 144 192 264 --contexts 2048 \
-     --sparse-contexts --splits 0 1 2 3 4 --no-reference --json $OUT/wide_decode.jsonl > $OUT/wide_decode.log 2>&1
-  echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/wide_decode.log | tail -34 >> $S
-  echo "== bench.attention prefill: launch order, head by head (1) vs 4 heads' tiles interleaved (4, the default)" >> $S
-  timeout ${ATT_LIM:-150} python3 -m glm_ray.bench.attention --mode prefill --heads 32 64 --prefill-shapes 8x1024 1x8192 \
-     --no-reference --head-groups 1 4 1 4 --json $OUT/launch_order.jsonl > $OUT/launch_order.log 2>&1
-  echo "rc=$?" >> $S; grep -vE "INFO|WARNING" $OUT/launch_order.log | tail -24 >> $S
-  for f in tests/gpu/test_cuda_mla_decode.py tests/gpu/test_cuda_mla_prefill.py; do
-    echo "== gpu test $f" >> $S
-    timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider $f > $OUT/mla_test.log 2>&1
-    echo "rc=$? $(tail -1 $OUT/mla_test.log)" >> $S; grep -E "^(FAILED|ERROR|E  )" $OUT/mla_test.log | cut -c1-300 | head -20 >> $S
-  done
-  echo "== gpu test moe_prefill (persistent, two-CTA configs)" >> $S
-  timeout ${TEST_LIM:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_moe_prefill.py > $OUT/moe_test.log 2>&1
-  echo "rc=$? $(tail -1 $OUT/moe_test.log)" >> $S; grep -E "^(FAILED|ERROR|E  )" $OUT/moe_test.log | cut -c1-300 | head -20 >> $S
-fi
-if [ $PART = s43 ]; then   # session 43: what session 42's PART=s42 and session 41's "attn" owe, in priority order
+if [ $PART = s43 ]; then   # session 43: what sessions 41-42 owe, in priority order
   s43() { [[ " ${S43:-order moe step} " == *" $1 "* ]]; }   # S43= picks steps (also: tests wide tma, run in session 43)
   s43 tests && echo "== gpu tests: the wide decode group (16 decodes + a 128-row tail, 4 splits); the split fp32 GEMM's bound" >> $S
   s43 tests && for f in "tests/gpu/test_cuda_mla_decode.py" "tests/gpu/test_cuda_routing.py -k fp32_linear_prefill_split"; do

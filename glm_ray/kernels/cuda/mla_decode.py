@@ -37,8 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
+from glm_ray.kernels.cuda.layout import DEFAULT_SMS
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-NUM_SMS = 132                 # H200 / H100 SXM; the split heuristic assumes it (shapes only, no device query)
+NUM_SMS = DEFAULT_SMS         # H200 / H100 SXM; the split heuristic assumes it (shapes only, no device query)
 LOG2E = 1.4426950408889634
 MERGE_R = 128                 # latent dims per merge program
 MAX_SPLITS = 64
